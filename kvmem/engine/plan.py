@@ -1,0 +1,53 @@
+"""What a request asks of the connector, as carried in `kv_transfer_params["kvmem"]`.
+
+A request either INJECTS segments (load their blobs into its leading prompt tokens) or ENCODES
+them (save the KV the engine computed for those prompt spans). Segments are token spans of the
+prompt: `start` is where the segment's tokens sit in this request's prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+KEY = "kvmem"
+INJECT = "inject"
+ENCODE = "encode"
+
+
+@dataclass(frozen=True)
+class Segment:
+    fact_id: str
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class Plan:
+    op: str
+    segments: tuple[Segment, ...]
+    keep_rotated: bool = False  # encode only: also store the keys as the engine cached them
+
+    def to_params(self) -> dict[str, Any]:
+        body = {"op": self.op, "segments": [[s.fact_id, s.start, s.length] for s in self.segments]}
+        if self.keep_rotated:
+            body["keep_rotated"] = True
+        return {KEY: body}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> "Plan | None":
+        """None when the request carries no kvmem plan; ValueError when it carries a broken one."""
+        body = (params or {}).get(KEY)
+        if body is None:
+            return None
+        op = body.get("op")
+        if op not in (INJECT, ENCODE):
+            raise ValueError(f"unknown kvmem op {op!r}")
+        segments = tuple(Segment(str(f), int(s), int(n)) for f, s, n in body.get("segments", []))
+        if any(s.start < 0 or s.length <= 0 for s in segments):
+            raise ValueError("segments need start >= 0 and length > 0")
+        return cls(op, tuple(sorted(segments, key=lambda s: s.start)), bool(body.get("keep_rotated")))

@@ -1,0 +1,88 @@
+"""Prompt assembly from separately tokenized segments.
+
+A chat prompt with facts is laid out as
+
+    [head][fact_1]...[fact_k][tail]
+
+head = the chat template's opening up to and including the system prefix text;
+fact_i = one fact rendered with the fact template; tail = the rest of the system message, the
+conversation and the generation prompt. Each piece is tokenized on its own, so a fact's tokens
+are the same wherever it is placed, at encoding and at serving: that is what lets its stored KV
+stand in for its text. The split points come from rendering the model's own chat template with a
+marker, so any template works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from kvmem.config import PromptConfig
+from kvmem.engine.plan import Segment
+from kvmem.errors import InvalidInputError
+
+_MARK = "\x00KVMEM-FACTS\x00"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    segments: tuple[Segment, ...]  # head first, then facts, contiguous from token 0
+
+    @property
+    def memory_tokens(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, config: PromptConfig = PromptConfig()) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        head, _ = self._split([{"role": "user", "content": "?"}])
+        self.head_ids = tuple(self._tokens(head))
+        self.head_id = "sys-" + hashlib.sha256(repr(self.head_ids).encode()).hexdigest()[:20]
+
+    def fact_tokens(self, text: str) -> tuple[int, ...]:
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInputError("a fact must be a non-empty string")
+        return tuple(self._tokens(self.config.fact_template.format(text=text.strip())))
+
+    def context_tokens(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tokens(text)) if text else ()
+
+    def chat(self, facts: list[tuple[str, tuple[int, ...]]], messages: list[dict]) -> Prompt:
+        """facts: (fact id, fact tokens) in the order they go into the prompt."""
+        _, tail = self._split(messages)
+        ids = list(self.head_ids)
+        segments = [Segment(self.head_id, 0, len(ids))]
+        for fact_id, tokens in facts:
+            segments.append(Segment(fact_id, len(ids), len(tokens)))
+            ids.extend(tokens)
+        ids.extend(self._tokens(tail))
+        return Prompt(tuple(ids), tuple(segments))
+
+    def encoding(self, fact_id: str, fact: tuple[int, ...], context: tuple[int, ...] = ()) -> Prompt:
+        """[head][context][fact]: the fact's KV is computed after its context window."""
+        ids = (*self.head_ids, *context, *fact)
+        return Prompt(ids, (Segment(fact_id, len(self.head_ids) + len(context), len(fact)),))
+
+    def head_encoding(self) -> Prompt:
+        return Prompt(self.head_ids, (Segment(self.head_id, 0, len(self.head_ids)),))
+
+    def _split(self, messages: list[dict]) -> tuple[str, str]:
+        _check_messages(messages)
+        system = {"role": "system", "content": self.config.system_prefix + _MARK + self.config.system_suffix}
+        text = self.tokenizer.apply_chat_template([system, *messages], tokenize=False, add_generation_prompt=True)
+        head, tail = text.split(_MARK)
+        return head, tail
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _check_messages(messages: list[dict]) -> None:
+    if not messages:
+        raise InvalidInputError("a chat needs at least one message")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
+            raise InvalidInputError(f"messages must be {{'role': 'user'|'assistant', 'content': str}}, got {m!r}")

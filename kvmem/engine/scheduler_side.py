@@ -1,0 +1,195 @@
+"""Scheduler side of the connector: decide what to claim, hand load/save jobs to the worker.
+
+Runs in vLLM's engine-core process. Nothing here touches tensors: it reads blob headers through
+the KV store (which verifies checksums once and keeps hot blobs in memory) and turns block ids
+into slot numbers for the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmem.engine.plan import ENCODE, INJECT, KEY, Plan, Segment
+from kvmem.errors import BlobError
+from kvmem.kv.store import KVStore
+
+log = logging.getLogger("kvmem.connector")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens [src, src+count) of a blob, written to/read from `slots` at `positions`."""
+
+    fact_id: str
+    src: int
+    slots: tuple[int, ...]
+    positions: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class ConnectorMeta:
+    """Per-step metadata, scheduler -> worker (pickled across processes)."""
+
+    loads: list[tuple[str, list[Piece]]] = field(default_factory=list)  # (req_id, pieces)
+    saves: list[tuple[str, list[Piece], bool]] = field(default_factory=list)  # (req_id, pieces, keep_rotated)
+
+
+@dataclass
+class Claim:
+    """What an inject request gets: its first `end` prompt tokens come from these segments."""
+
+    segments: list[Segment]
+    end: int
+    fallbacks: dict[str, str]  # fact id -> reason, for the first blob that could not be used
+    facts_as_text: int  # segments served by text prefill because of that blob
+    local_hit: int = 0
+    claimed: int = 0
+
+
+@dataclass
+class _SaveTracker:
+    plan: Plan
+    prompt: list[int]
+    block_ids: list[int]
+    computed: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, store: KVStore, block_size: int) -> None:
+        self.store = store
+        self.block_size = block_size
+        self._claims: dict[str, Claim] = {}
+        self._pending_loads: dict[str, list[Piece]] = {}
+        self._saves: dict[str, _SaveTracker] = {}
+        self.fallback_total = 0
+
+    # -- vLLM hooks -----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        plan = _plan_of(request)
+        if plan is None or plan.op != INJECT:
+            return 0, False
+        claim = self._claims.get(request.request_id)
+        if claim is None:
+            claim = self._claims[request.request_id] = self._claim(request, plan)
+        claim.local_hit = num_computed_tokens
+        claim.claimed = max(0, claim.end - num_computed_tokens)
+        return claim.claimed, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        claim = self._claims.get(request.request_id)
+        if claim is None or num_external_tokens == 0:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        first = claim.end - num_external_tokens
+        self._pending_loads[request.request_id] = self._pieces(claim.segments, first, claim.end, block_ids)
+
+    def build_meta(self, scheduler_output) -> ConnectorMeta:
+        meta = ConnectorMeta(loads=list(self._pending_loads.items()))
+        self._pending_loads.clear()
+        for new in scheduler_output.scheduled_new_reqs:
+            plan = Plan.from_params(_params_of(new.sampling_params))
+            if plan is not None and plan.op == ENCODE:
+                self._saves[new.req_id] = _SaveTracker(plan, list(new.prompt_token_ids), list(new.block_ids[0]),
+                                                       new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._saves.get(req_id)
+            if tracker is not None and cached.new_block_ids[i] is not None:
+                if req_id in cached.resumed_req_ids:
+                    tracker.block_ids = list(cached.new_block_ids[i][0])
+                else:
+                    tracker.block_ids.extend(cached.new_block_ids[i][0])
+        for req_id, tracker in list(self._saves.items()):
+            tracker.computed += scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if tracker.computed >= max(s.end for s in tracker.plan.segments):
+                meta.saves.append((req_id, self._save_pieces(tracker), tracker.plan.keep_rotated))
+                del self._saves[req_id]
+        return meta
+
+    def request_finished(self, request) -> dict[str, Any] | None:
+        self._saves.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        claim = self._claims.pop(request.request_id, None)
+        if claim is None:
+            return None
+        return {KEY: {
+            "claimed_tokens": claim.claimed,
+            "local_hit_tokens": claim.local_hit,
+            "inject_end": claim.end,
+            "injected_facts": len(claim.segments),
+            "facts_as_text": claim.facts_as_text,
+            "fallbacks": claim.fallbacks,
+        }}
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def _claim(self, request, plan: Plan) -> Claim:
+        """The longest run of usable segments from token 0; never the last prompt token."""
+        prompt = request.prompt_token_ids
+        usable: list[Segment] = []
+        end = 0
+        fallbacks: dict[str, str] = {}
+        for seg in plan.segments:
+            reason = self._unusable(seg, end, prompt)
+            if reason is not None:
+                fallbacks[seg.fact_id] = reason
+                break
+            usable.append(seg)
+            end = seg.end
+        as_text = len(plan.segments) - len(usable)
+        if as_text:
+            self.fallback_total += as_text
+            log.warning("request %s: %d of %d segments served as text (%s); %d fallbacks so far",
+                        request.request_id, as_text, len(plan.segments), fallbacks, self.fallback_total)
+        return Claim(usable, min(end, len(prompt) - 1), fallbacks, as_text)
+
+    def _unusable(self, seg: Segment, expected_start: int, prompt: list[int]) -> str | None:
+        if seg.start != expected_start:
+            return "gap"  # only a prefix can be supplied: segments must follow each other
+        if seg.end > len(prompt):
+            return "beyond prompt"
+        try:
+            blob = self.store.get(seg.fact_id)
+        except BlobError as e:
+            log.warning("%s", e)
+            return e.reason
+        if list(blob.token_ids) != list(prompt[seg.start : seg.end]):
+            return BlobError.MISMATCH
+        return None
+
+    def _pieces(self, segments: list[Segment], first: int, end: int, block_ids: list[int]) -> list[Piece]:
+        """Cut segments to prompt tokens [first, end) and give each token its cache slot."""
+        pieces = []
+        for seg in segments:
+            lo, hi = max(seg.start, first), min(seg.end, end)
+            if lo < hi:
+                pieces.append(Piece(seg.fact_id, lo - seg.start, self._slots(block_ids, lo, hi), tuple(range(lo, hi))))
+        return pieces
+
+    def _save_pieces(self, tracker: _SaveTracker) -> list[Piece]:
+        return [
+            Piece(s.fact_id, 0, self._slots(tracker.block_ids, s.start, s.end), tuple(range(s.start, s.end)),
+                  tuple(tracker.prompt[s.start : s.end]))
+            for s in tracker.plan.segments
+        ]
+
+    def _slots(self, block_ids: list[int], lo: int, hi: int) -> tuple[int, ...]:
+        bs = self.block_size
+        return tuple(block_ids[p // bs] * bs + p % bs for p in range(lo, hi))
+
+
+def _params_of(sampling_params) -> dict[str, Any] | None:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return extra.get("kv_transfer_params")
+
+
+def _plan_of(request) -> Plan | None:
+    try:
+        return Plan.from_params(request.kv_transfer_params)
+    except (ValueError, TypeError) as e:
+        log.warning("request %s: ignoring malformed kvmem plan: %s", request.request_id, e)
+        return None

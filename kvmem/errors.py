@@ -1,0 +1,42 @@
+"""The exceptions callers of kvmem see. Catch `KvmemError` to catch them all."""
+
+
+class KvmemError(Exception):
+    """Base class for every error kvmem raises on purpose."""
+
+
+class ModelError(KvmemError):
+    """The model could not be found, converted or loaded."""
+
+
+class BlobError(KvmemError):
+    """A fact's KV blob cannot be injected. `reason` is one of the REASONS below."""
+
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+    STALE = "stale"  # written for another model fingerprint or KV format version
+    MISMATCH = "mismatch"  # its token ids are not the tokens the prompt holds there
+
+    def __init__(self, fact_id: str, reason: str, detail: str = "") -> None:
+        self.fact_id = fact_id
+        self.reason = reason
+        super().__init__(f"KV blob for fact {fact_id!r} is {reason}" + (f": {detail}" if detail else ""))
+
+
+class UnknownFactError(KvmemError, KeyError):
+    """A fact id that was never registered (or was deleted)."""
+
+    def __init__(self, fact_id: str) -> None:
+        self.fact_id = fact_id
+        super().__init__(f"unknown fact id {fact_id!r}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class InvalidInputError(KvmemError, ValueError):
+    """Input that kvmem refuses: empty text, bad mode, a prompt that cannot fit, ..."""
+
+
+class EngineError(KvmemError):
+    """The inference engine failed to start or to answer."""

@@ -1,0 +1,1 @@
+"""Fact KV at rest: the blob format and the stores that hold blobs."""

@@ -1,0 +1,103 @@
+"""One fact's KV cache as a self-checking safetensors blob.
+
+Layout "LTHD": key and value are [num_layers, num_tokens, num_kv_heads, head_size].
+Keys are stored pre-RoPE (after any per-head k-norm, before rotation), so a blob can be
+injected at any position. The header carries what is needed to refuse a blob that does not
+belong: format version, model fingerprint, token ids and a checksum over all of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kvmem.config import KV_FORMAT_VERSION
+from kvmem.errors import BlobError
+
+LAYOUT = "LTHD"
+
+
+@dataclass(frozen=True, eq=False)
+class KVBlob:
+    fact_id: str
+    fingerprint: str
+    token_ids: tuple[int, ...]
+    key: torch.Tensor  # [L, T, H, D], pre-RoPE
+    value: torch.Tensor  # [L, T, H, D]
+    # Optional extra tensors (debugging, e.g. the rotated keys as the engine cached them).
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.key.dim() != 4 or self.key.shape != self.value.shape:
+            raise ValueError(f"key {tuple(self.key.shape)} and value {tuple(self.value.shape)} must both be [L, T, H, D]")
+        if self.key.shape[1] != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids for {self.key.shape[1]} KV tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.key, self.value, *self.extras.values()))
+
+
+def checksum(fingerprint: str, token_ids: tuple[int, ...], tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(fingerprint.encode())
+    h.update(json.dumps(list(token_ids)).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def encode_blob(blob: KVBlob) -> bytes:
+    tensors = {"key": blob.key.contiguous(), "value": blob.value.contiguous()}
+    tensors.update({f"extra.{k}": v.contiguous() for k, v in blob.extras.items()})
+    metadata = {
+        "kvmem_format": str(KV_FORMAT_VERSION),
+        "layout": LAYOUT,
+        "fact_id": blob.fact_id,
+        "fingerprint": blob.fingerprint,
+        "num_tokens": str(blob.num_tokens),
+        "key_dtype": str(blob.key.dtype),
+        "value_dtype": str(blob.value.dtype),
+        "token_ids": json.dumps(list(blob.token_ids)),
+        "checksum": checksum(blob.fingerprint, blob.token_ids, tensors),
+    }
+    return st_save(tensors, metadata=metadata)
+
+
+def decode_blob(data: bytes, fact_id: str, fingerprint: str) -> KVBlob:
+    """Parse and verify. Raises BlobError(CORRUPT) or BlobError(STALE); never returns a bad blob."""
+    try:
+        meta = _read_metadata(data)
+        tensors = st_load(data)
+        token_ids = tuple(json.loads(meta["token_ids"]))
+    except Exception as e:  # noqa: BLE001 - any parse failure is corruption
+        raise BlobError(fact_id, BlobError.CORRUPT, f"unreadable: {e}") from e
+    if meta.get("kvmem_format") != str(KV_FORMAT_VERSION) or meta.get("layout") != LAYOUT:
+        raise BlobError(fact_id, BlobError.STALE, f"format {meta.get('kvmem_format')}/{meta.get('layout')}")
+    if checksum(meta.get("fingerprint", ""), token_ids, tensors) != meta.get("checksum"):
+        raise BlobError(fact_id, BlobError.CORRUPT, "checksum mismatch")
+    if meta["fingerprint"] != fingerprint:
+        raise BlobError(fact_id, BlobError.STALE, f"written for model {meta['fingerprint'][:12]}")
+    if meta.get("fact_id") != fact_id:
+        raise BlobError(fact_id, BlobError.CORRUPT, f"holds fact {meta.get('fact_id')!r}")
+    extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
+    try:
+        return KVBlob(fact_id, fingerprint, token_ids, tensors["key"], tensors["value"], extras)
+    except (KeyError, ValueError) as e:
+        raise BlobError(fact_id, BlobError.CORRUPT, str(e)) from e
+
+
+def _read_metadata(data: bytes) -> dict[str, str]:
+    header_len = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + header_len])["__metadata__"]

@@ -1,0 +1,108 @@
+"""The on-disk KV store: one blob file per fact, under a folder per model fingerprint.
+
+Writes are atomic (temp file, fsync, rename), so a reader sees a whole blob or none.
+Decoded blobs are kept in a per-process LRU keyed by the file's identity (inode, size,
+mtime), so a hot fact costs one stat() per request, and a rewritten file is never served stale.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from kvmem.errors import BlobError, InvalidInputError
+from kvmem.kv.blob import KVBlob, decode_blob, encode_blob
+
+_FACT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def check_fact_id(fact_id: str) -> str:
+    if not isinstance(fact_id, str) or not _FACT_ID.match(fact_id) or fact_id.startswith("."):
+        raise InvalidInputError(f"fact id {fact_id!r} must be 1-128 of [A-Za-z0-9_.:-], not starting with '.'")
+    return fact_id
+
+
+class KVStore:
+    def __init__(self, root: Path | str, fingerprint: str, hot_cache_bytes: int = 512 << 20) -> None:
+        self.fingerprint = fingerprint
+        self.dir = Path(root) / fingerprint[:16]
+        self._hot: OrderedDict[str, tuple[tuple, KVBlob]] = OrderedDict()
+        self._hot_bytes = 0
+        self._hot_limit = hot_cache_bytes
+        self._lock = threading.Lock()
+
+    def path(self, fact_id: str) -> Path:
+        return self.dir / f"{check_fact_id(fact_id)}.safetensors"
+
+    def put(self, blob: KVBlob) -> Path:
+        if blob.fingerprint != self.fingerprint:
+            raise BlobError(blob.fact_id, BlobError.STALE, "refusing to store a blob of another model")
+        dest = self.path(blob.fact_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        data = encode_blob(blob)
+        fd, tmp = tempfile.mkstemp(prefix=f".{blob.fact_id}.", dir=self.dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return dest
+
+    def get(self, fact_id: str) -> KVBlob:
+        """The verified blob, or BlobError(MISSING | CORRUPT | STALE)."""
+        path = self.path(fact_id)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise BlobError(fact_id, BlobError.MISSING) from None
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            hit = self._hot.get(fact_id)
+            if hit is not None and hit[0] == stamp:
+                self._hot.move_to_end(fact_id)
+                return hit[1]
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise BlobError(fact_id, BlobError.MISSING) from None
+        blob = decode_blob(data, fact_id, self.fingerprint)
+        self._remember(fact_id, stamp, blob)
+        return blob
+
+    def exists(self, fact_id: str) -> bool:
+        return self.path(fact_id).is_file()
+
+    def delete(self, fact_id: str) -> bool:
+        with self._lock:
+            hit = self._hot.pop(fact_id, None)
+            if hit is not None:
+                self._hot_bytes -= hit[1].nbytes
+        try:
+            self.path(fact_id).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.dir.glob("*.safetensors")) if self.dir.is_dir() else 0
+
+    def _remember(self, fact_id: str, stamp: tuple, blob: KVBlob) -> None:
+        if blob.nbytes > self._hot_limit:
+            return
+        with self._lock:
+            old = self._hot.pop(fact_id, None)
+            if old is not None:
+                self._hot_bytes -= old[1].nbytes
+            self._hot[fact_id] = (stamp, blob)
+            self._hot_bytes += blob.nbytes
+            while self._hot_bytes > self._hot_limit:
+                _, (_, evicted) = self._hot.popitem(last=False)
+                self._hot_bytes -= evicted.nbytes

