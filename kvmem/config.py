@@ -64,13 +64,14 @@ class PromptConfig:
 @dataclass(frozen=True)
 class Config:
     home: Path = field(default_factory=default_home)
+    models_home: Path | None = None  # where converted models live; default home/models
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
     prompt: PromptConfig = PromptConfig()
 
     @property
     def models_dir(self) -> Path:
-        return self.home / "models"
+        return self.models_home or self.home / "models"
 
     @property
     def kv_dir(self) -> Path:

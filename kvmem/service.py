@@ -163,7 +163,7 @@ class KVMem:
         return ChatResult(
             answer=r.text.strip(), mode=mode, fact_ids=fact_ids, ttft_s=r.ttft_s, latency_s=r.latency_s,
             prompt_tokens=r.prompt_tokens, injected_tokens=c.get("claimed_tokens", 0),
-            cached_tokens=c.get("local_hit_tokens", 0), fallbacks=c.get("facts_as_text", 0),
+            cached_tokens=r.cached_tokens - c.get("claimed_tokens", 0), fallbacks=c.get("facts_as_text", 0),
             fallback_reasons=c.get("fallbacks", {}), token_ids=r.token_ids, first_logprobs=r.first_logprobs,
         )
 

@@ -33,6 +33,7 @@ class EngineResult:
     ttft_s: float
     latency_s: float
     prompt_tokens: int
+    cached_tokens: int  # prompt tokens not prefilled: vLLM prefix-cache hits plus injected ones
     connector: dict[str, Any] = field(default_factory=dict)  # the connector's accounting
     first_logprobs: dict[int, float] = field(default_factory=dict)
 
@@ -113,6 +114,7 @@ class Engine:
             ttft_s=first - start,
             latency_s=done - start,
             prompt_tokens=len(out.prompt_token_ids),
+            cached_tokens=out.num_cached_tokens or 0,
             connector=(out.kv_transfer_params or {}).get(KEY, {}),
             first_logprobs=logprobs,
         )

@@ -1,0 +1,108 @@
+"""Oracle tests on the real engine: injected KV against text prefill of identical tokens."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FACTS = [
+    "Maya's daughter is named Lena and she is seven years old.",
+    "Maya moved from Porto to Berlin in 2019 for a job at a bakery.",
+    "Maya is allergic to peanuts and avoids Thai food because of it.",
+    "Maya's favourite band is Radiohead; she saw them live in 2017.",
+    "Maya runs a half marathon every spring with her brother Tomas.",
+    "Maya drives an old blue Volvo that she calls Bertha.",
+    "Maya is learning Japanese and practices every morning at six.",
+    "Maya's cat, Miso, is a grey British shorthair.",
+    "Maya's birthday is on the 14th of March.",
+    "Maya works night shifts on Fridays and sleeps in on Saturdays.",
+]
+
+
+def logprob_gap(a: dict[int, float], b: dict[int, float]) -> float:
+    """Largest |logprob difference| over tokens in both top-n lists."""
+    common = a.keys() & b.keys()
+    assert len(common) >= len(a) // 2, "top-n lists barely overlap"
+    return max(abs(a[t] - b[t]) for t in common)
+
+
+def test_k1_injection_matches_text_prefill(mem):
+    fact = mem.add_fact("oracle", FACTS[0])
+    assert mem.encode([fact.id]).encoded == 1
+    q = "How old is my daughter?"
+    text = mem.chat("oracle", q, [fact.id], mode="text", max_tokens=24)
+    cached = mem.chat("oracle", q, [fact.id], mode="text", max_tokens=24)  # engine's own prefix-cache path
+    kv = mem.chat("oracle", q, [fact.id], mode="kv", max_tokens=24)
+
+    assert kv.injected_tokens == kv.prompt_tokens - len(mem.prompts.chat([], [{"role": "user", "content": q}]).token_ids) + len(mem.prompts.head_ids)
+    assert kv.fallbacks == 0
+    cache_noise = logprob_gap(text.first_logprobs, cached.first_logprobs)
+    kv_gap = logprob_gap(text.first_logprobs, kv.first_logprobs)
+    print(f"\nk=1 top-20 logprob gap: injection {kv_gap:.4f}, engine prefix-cache hit {cache_noise:.4f}")
+    # Tolerance: bf16 kernel noise. A fresh prefill and the engine's own cached-prefix path differ
+    # by `cache_noise`; injection recomputes the same K/V (rotation in fp32, rounded to bf16), so it
+    # may differ by that much again, plus one bf16 rounding step of logits (~2^-8 relative * |lp|).
+    tol = 2 * cache_noise + 0.05
+    assert kv_gap <= tol, f"injection deviates {kv_gap:.4f} > {tol:.4f}"
+    assert_same_greedy(text, kv, tol)
+
+
+def assert_same_greedy(a, b, tol):
+    """Same greedy tokens, unless they part where `a`'s top two were a near tie (within tol)."""
+    if a.token_ids == b.token_ids:
+        return
+    i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+    assert i > 0 or _near_tie(a.first_logprobs, tol), f"greedy answers differ: {a.answer!r} vs {b.answer!r}"
+
+
+def _near_tie(logprobs, tol):
+    top = sorted(logprobs.values(), reverse=True)
+    return top[0] - top[1] <= tol
+
+
+def test_k10_injection_claims_all_facts(mem):
+    facts = [mem.add_fact("k10", t) for t in FACTS]
+    assert mem.encode([f.id for f in facts]).encoded == 10
+    ids = [f.id for f in facts]
+    q = "What is the name of my cat?"
+    text = mem.chat("k10", q, ids, mode="text", max_tokens=24)
+    kv = mem.chat("k10", q, ids, mode="kv", max_tokens=24)
+    expected = len(mem.prompts.head_ids) + sum(len(f.tokens) for f in facts)
+    assert kv.injected_tokens == expected and kv.cached_tokens == 0
+    assert kv.fallbacks == 0 and kv.answer
+    top_text = max(text.first_logprobs, key=text.first_logprobs.get)
+    top_kv = max(kv.first_logprobs, key=kv.first_logprobs.get)
+    gap = logprob_gap(text.first_logprobs, kv.first_logprobs)
+    print(f"\nk=10: injected {kv.injected_tokens} tokens; first token top-1 agree={top_text == top_kv}, "
+          f"top-20 logprob gap {gap:.3f}; text={text.answer!r} kv={kv.answer!r}")
+    # Facts encoded independently do not attend to each other, so this is an approximation, not
+    # noise. Loose bound: text mode's first token stays a top-5 candidate under injection.
+    ranked_kv = sorted(kv.first_logprobs, key=kv.first_logprobs.get, reverse=True)
+    assert top_text in ranked_kv[:5]
+    assert gap < 3.0
+
+
+def test_rotating_stored_key_reproduces_engine_cache(mem):
+    """Pre-RoPE K rotated back to its encoding positions equals what the engine cached there."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from kvmem.engine.rope import KeyRotator
+
+    fact = mem.add_fact("rope", FACTS[1], context="We talked about moving abroad.")
+    mem.encode([fact.id], keep_rotated=True)
+    blob = mem.store.get(fact.id)
+    cfg = mem.engine._llm.llm_engine.vllm_config
+    hf = cfg.model_config.hf_text_config
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, max_position=hf.max_position_embeddings, rope_parameters=hf.rope_parameters,
+                        dtype=torch.bfloat16)
+    start = len(mem.prompts.head_ids) + len(fact.context_tokens)
+    positions = torch.arange(start, start + blob.num_tokens)
+    rotated = KeyRotator(rope).rotate(blob.key, positions).to(torch.bfloat16)
+    engine_k = blob.extras["key_rotated"]
+    # Equal up to one bf16 rounding step (relative 2^-8) of each element.
+    assert torch.allclose(rotated.float(), engine_k.float(), rtol=2**-7, atol=1e-3)
+    assert (rotated == engine_k).float().mean() > 0.99
+    assert not torch.equal(blob.key.to(torch.bfloat16), engine_k)  # keys really are stored un-rotated

@@ -1,0 +1,43 @@
+"""The layout-calibrated gather reads back exactly what the CPU backend's own op wrote."""
+
+import pytest
+import torch
+
+from kvmem.engine.paged import PageLayout
+from tests.engine.backend import cpu_cache_writer
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_cpu_cache_round_trip(block_size, model_dir):
+    heads, dim, blocks = 3, 64, 6
+    write, _ = cpu_cache_writer(str(model_dir), block_size, dim)
+    cache = torch.zeros(blocks, heads, block_size, 2 * dim, dtype=torch.bfloat16)  # CPU layout
+    layout = PageLayout.calibrate(cache, blocks, block_size, heads, dim, write)
+
+    g = torch.Generator().manual_seed(block_size)
+    slots = torch.randperm(blocks * block_size, generator=g)[:150]
+    key = torch.randn(150, heads, dim, generator=g).to(torch.bfloat16)
+    value = torch.randn(150, heads, dim, generator=g).to(torch.bfloat16)
+    write(key, value, cache, slots)
+
+    got_k, got_v = layout.gather(cache, slots)
+    assert torch.equal(got_k, key) and torch.equal(got_v, value)
+
+
+def test_cpu_page_is_transposed_key_then_value(model_dir):
+    """Pins the layout DESIGN.md records: per (block, head) page, K as [D, block] then V as [block, D]."""
+    bs, heads, dim = 32, 3, 64
+    write, _ = cpu_cache_writer(str(model_dir), bs, dim)
+    cache = torch.zeros(2, heads, bs, 2 * dim, dtype=torch.bfloat16)
+    key = torch.randn(1, heads, dim).to(torch.bfloat16)
+    value = torch.randn(1, heads, dim).to(torch.bfloat16)
+    write(key, value, cache, torch.tensor([bs + 5]))  # block 1, offset 5
+    page = cache.view(2, heads, 2 * bs * dim)[1]
+    assert torch.equal(page[:, : bs * dim].view(heads, dim, bs)[:, :, 5], key[0])
+    assert torch.equal(page[:, bs * dim :].view(heads, bs, dim)[:, 5], value[0])
+
+
+def test_quantized_cache_is_refused():
+    cache = torch.zeros(2, 1, 32, 16, dtype=torch.uint8)
+    with pytest.raises(NotImplementedError):
+        PageLayout.calibrate(cache, 2, 32, 1, 8, lambda *a: None)

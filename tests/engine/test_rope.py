@@ -1,0 +1,61 @@
+"""KeyRotator against vLLM's own rotary embedding."""
+
+import pytest
+import torch
+
+from kvmem.engine.rope import KeyRotator
+
+
+@pytest.fixture(scope="module")
+def rope():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(64, max_position=8192, rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+                        dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def llama3_rope():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    params = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(64, max_position=16384, rope_parameters=params, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("which", ["rope", "llama3_rope"])
+def test_unrotate_then_rotate_is_identity(which, request):
+    rot = KeyRotator(request.getfixturevalue(which))
+    key = torch.randn(2, 40, 3, 64).to(torch.bfloat16)  # [L, T, H, D] as cached
+    pos = torch.arange(1000, 1040)
+    back = rot.rotate(rot.unrotate(key, pos), pos).to(torch.bfloat16)
+    assert torch.equal(back, key) or torch.allclose(back.float(), key.float(), rtol=2**-7, atol=1e-6)
+    assert (back == key).float().mean() > 0.99
+
+
+def test_rotate_matches_vllm_rotation_at_any_position(rope):
+    rot = KeyRotator(rope)
+    pre = torch.randn(1, 16, 3, 64).to(torch.bfloat16)
+    pos = torch.randint(0, 8000, (16,))
+    ours = rot.rotate(pre, pos).to(torch.bfloat16)[0]  # [T, H, D]
+    query = torch.zeros(16, 3 * 64, dtype=torch.bfloat16)
+    _, theirs = rope.forward_native(pos, query, pre[0].reshape(16, -1).clone())
+    assert torch.allclose(ours.float(), theirs.view(16, 3, 64).float(), rtol=2**-7, atol=2e-2)
+
+
+def test_moving_a_key_is_rotating_by_the_difference(rope):
+    """Chunked RoPE's premise: R(q) R(p)^-1 k_p == k rotated to q."""
+    rot = KeyRotator(rope)
+    pre = torch.randn(1, 8, 3, 64)
+    at_p = rot.rotate(pre, torch.arange(10, 18))
+    moved = rot.rotate(rot.unrotate(at_p, torch.arange(10, 18)), torch.arange(500, 508))
+    assert torch.allclose(moved, rot.rotate(pre, torch.arange(500, 508)), atol=1e-2)
+
+
+def test_positions_beyond_the_table_are_refused(rope):
+    with pytest.raises(ValueError, match="beyond"):
+        KeyRotator(rope).rotate(torch.zeros(1, 1, 3, 64), torch.tensor([9000]))

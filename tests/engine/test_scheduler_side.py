@@ -1,0 +1,87 @@
+"""Claim planning without an engine: fake requests against a real KV store."""
+
+from types import SimpleNamespace
+
+import torch
+
+from kvmem.engine.plan import ENCODE, INJECT, Plan, Segment
+from kvmem.engine.scheduler_side import SchedulerSide
+from kvmem.kv.blob import KVBlob
+from kvmem.kv.store import KVStore
+
+FP = "f" * 64
+
+
+def store_with(tmp_path, blobs):
+    store = KVStore(tmp_path, FP)
+    for fact_id, tokens in blobs.items():
+        n = len(tokens)
+        store.put(KVBlob(fact_id, FP, tuple(tokens), torch.zeros(2, n, 1, 4), torch.zeros(2, n, 1, 4)))
+    return store
+
+
+def request(prompt, segments, rid="r1", op=INJECT):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=prompt,
+                           kv_transfer_params=Plan(op, tuple(segments)).to_params())
+
+
+def blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+PROMPT = list(range(10, 40))  # 30 tokens: head [0,4) fact a [4,10) fact b [10,16) tail
+SEGS = [Segment("head", 0, 4), Segment("a", 4, 6), Segment("b", 10, 6)]
+
+
+def test_claims_head_and_facts_and_plans_slots(tmp_path):
+    side = SchedulerSide(store_with(tmp_path, {"head": PROMPT[0:4], "a": PROMPT[4:10], "b": PROMPT[10:16]}), 8)
+    req = request(PROMPT, SEGS)
+    assert side.get_num_new_matched_tokens(req, 0) == (16, False)
+    side.update_state_after_alloc(req, blocks([7, 3]), 16)
+    meta = side.build_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                                           num_scheduled_tokens={}))
+    (rid, pieces), = meta.loads
+    assert [p.fact_id for p in pieces] == ["head", "a", "b"]
+    assert pieces[1].slots == (7 * 8 + 4, 7 * 8 + 5, 7 * 8 + 6, 7 * 8 + 7, 3 * 8 + 0, 3 * 8 + 1)
+    assert side.request_finished(req)["kvmem"]["claimed_tokens"] == 16
+
+
+def test_local_prefix_hit_shrinks_the_claim(tmp_path):
+    side = SchedulerSide(store_with(tmp_path, {"head": PROMPT[0:4], "a": PROMPT[4:10], "b": PROMPT[10:16]}), 8)
+    req = request(PROMPT, SEGS)
+    assert side.get_num_new_matched_tokens(req, 8) == (8, False)
+    side.update_state_after_alloc(req, blocks([7, 3]), 8)
+    pieces = side._pending_loads["r1"]
+    assert [(p.fact_id, p.src, p.positions[0]) for p in pieces] == [("a", 4, 8), ("b", 0, 10)]
+
+
+def test_claim_stops_before_a_missing_or_mismatched_blob(tmp_path):
+    side = SchedulerSide(store_with(tmp_path, {"head": PROMPT[0:4], "a": [1, 2, 3, 4, 5, 6]}), 8)
+    req = request(PROMPT, SEGS)
+    assert side.get_num_new_matched_tokens(req, 0) == (4, False)  # "a" holds other tokens
+    info = side.request_finished(req)["kvmem"]
+    assert info["fallbacks"] == {"a": "mismatch"} and info["facts_as_text"] == 2
+
+
+def test_never_claims_the_last_prompt_token(tmp_path):
+    prompt = PROMPT[:16]
+    side = SchedulerSide(store_with(tmp_path, {"head": prompt[0:4], "a": prompt[4:10], "b": prompt[10:16]}), 8)
+    assert side.get_num_new_matched_tokens(request(prompt, SEGS), 0) == (15, False)
+
+
+def test_a_gap_between_segments_ends_the_claim(tmp_path):
+    side = SchedulerSide(store_with(tmp_path, {"head": PROMPT[0:4], "b": PROMPT[10:16]}), 8)
+    req = request(PROMPT, [Segment("head", 0, 4), Segment("b", 10, 6)])
+    assert side.get_num_new_matched_tokens(req, 0) == (4, False)
+
+
+def test_encode_requests_claim_nothing_and_save_when_prefilled(tmp_path):
+    side = SchedulerSide(store_with(tmp_path, {}), 8)
+    req = request(PROMPT, [Segment("a", 4, 6)], op=ENCODE)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    new = SimpleNamespace(req_id="r1", sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": req.kv_transfer_params}),
+                          prompt_token_ids=PROMPT, block_ids=([5, 6, 9, 2],), num_computed_tokens=0)
+    meta = side.build_meta(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                                           num_scheduled_tokens={"r1": 30}))
+    (rid, (piece,), keep), = meta.saves
+    assert piece.token_ids == tuple(PROMPT[4:10]) and piece.slots[0] == 5 * 8 + 4 and piece.slots[-1] == 6 * 8 + 1

@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from kvmem.errors import BlobError, InvalidInputError
+from kvmem.kv.blob import KVBlob, decode_blob, encode_blob
+from kvmem.kv.store import KVStore
+
+FP = "a" * 64
+
+
+def make_blob(fact_id="f1", tokens=5, fp=FP, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(4, tokens, 3, 8, generator=g)  # [L, T, H, D]
+    value = torch.randn(4, tokens, 3, 8, generator=g).to(torch.bfloat16)
+    return KVBlob(fact_id, fp, tuple(range(100, 100 + tokens)), key, value)
+
+
+def test_round_trip_is_exact():
+    blob = make_blob()
+    back = decode_blob(encode_blob(blob), "f1", FP)
+    assert back.token_ids == blob.token_ids
+    assert torch.equal(back.key, blob.key) and back.key.dtype == torch.float32
+    assert torch.equal(back.value, blob.value) and back.value.dtype == torch.bfloat16
+
+
+def test_flipped_byte_is_corrupt():
+    data = bytearray(encode_blob(make_blob()))
+    data[-3] ^= 0x01
+    with pytest.raises(BlobError) as e:
+        decode_blob(bytes(data), "f1", FP)
+    assert e.value.reason == BlobError.CORRUPT
+
+
+def test_truncated_file_is_corrupt():
+    with pytest.raises(BlobError) as e:
+        decode_blob(encode_blob(make_blob())[:100], "f1", FP)
+    assert e.value.reason == BlobError.CORRUPT
+
+
+def test_other_fingerprint_is_stale():
+    with pytest.raises(BlobError) as e:
+        decode_blob(encode_blob(make_blob(fp="b" * 64)), "f1", FP)
+    assert e.value.reason == BlobError.STALE
+
+
+def test_blob_of_another_fact_is_refused():
+    with pytest.raises(BlobError):
+        decode_blob(encode_blob(make_blob("f2")), "f1", FP)
+
+
+def test_shapes_are_checked():
+    with pytest.raises(ValueError, match="token ids"):
+        KVBlob("f", FP, (1, 2), torch.zeros(1, 3, 1, 2), torch.zeros(1, 3, 1, 2))
+
+
+def test_store_put_get_delete(tmp_path):
+    store = KVStore(tmp_path, FP)
+    blob = make_blob()
+    store.put(blob)
+    assert torch.equal(store.get("f1").key, blob.key)
+    assert not list(store.dir.glob(".*")), "temp files left behind"
+    assert store.delete("f1") and not store.exists("f1")
+    with pytest.raises(BlobError) as e:
+        store.get("f1")
+    assert e.value.reason == BlobError.MISSING
+
+
+def test_store_never_serves_a_rewritten_file_from_its_hot_cache(tmp_path):
+    store = KVStore(tmp_path, FP)
+    store.put(make_blob(seed=1))
+    store.get("f1")  # now hot
+    other = KVStore(tmp_path, FP)  # e.g. the worker process rewriting the blob
+    other.put(make_blob(seed=2))
+    assert torch.equal(store.get("f1").key, make_blob(seed=2).key)
+
+
+def test_store_refuses_foreign_fingerprints_and_bad_ids(tmp_path):
+    store = KVStore(tmp_path, FP)
+    with pytest.raises(BlobError):
+        store.put(make_blob(fp="c" * 64))
+    for bad in ["", "../x", ".hidden", "a/b", "x" * 200]:
+        with pytest.raises(InvalidInputError):
+            store.path(bad)
