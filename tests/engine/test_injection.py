@@ -106,3 +106,28 @@ def test_rotating_stored_key_reproduces_engine_cache(mem):
     assert torch.allclose(rotated.float(), engine_k.float(), rtol=2**-7, atol=1e-3)
     assert (rotated == engine_k).float().mean() > 0.99
     assert not torch.equal(blob.key.to(torch.bfloat16), engine_k)  # keys really are stored un-rotated
+
+
+def test_k10_facts_encoded_after_their_true_prefix_reproduce_text_prefill(mem):
+    """With each fact encoded after exactly the tokens that precede it in the prompt, injecting
+    ten segments must equal text prefill: this pins slot mapping and multi-segment assembly."""
+    from kvmem.engine.llm import EngineRequest
+    from kvmem.engine.plan import ENCODE, Plan
+    from kvmem.service import _salt
+
+    facts = [mem.add_fact("k10-exact", t) for t in FACTS]
+    q = [{"role": "user", "content": "What is the name of my cat?"}]
+    prompt = mem.prompts.chat([(f.id, f.tokens) for f in facts], q)
+    mem.engine.run([EngineRequest(prompt.token_ids[: seg.end], _salt("encode", "k10-exact"), max_tokens=1,
+                                  plan=Plan(ENCODE, (seg,))) for seg in prompt.segments[1:]])
+    ids = [f.id for f in facts]
+    text = mem.chat("k10-exact", q, ids, mode="text", max_tokens=24)
+    cached = mem.chat("k10-exact", q, ids, mode="text", max_tokens=24)
+    kv = mem.chat("k10-exact", q, ids, mode="kv", max_tokens=24)
+    assert kv.injected_tokens == prompt.memory_tokens and kv.fallbacks == 0
+    cache_noise = logprob_gap(text.first_logprobs, cached.first_logprobs)
+    gap = logprob_gap(text.first_logprobs, kv.first_logprobs)
+    print(f"\nk=10 with true-prefix encoding: gap {gap:.4f} (engine prefix-cache noise {cache_noise:.4f})")
+    tol = 2 * cache_noise + 0.05
+    assert gap <= tol
+    assert_same_greedy(text, kv, tol)
