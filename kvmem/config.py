@@ -62,12 +62,25 @@ class PromptConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """The memory layer.
+
+    window: turns of the conversation a turn fact is encoded after (Context-Window Encoding).
+    max_fact_tokens: longer facts are refused, not truncated.
+    """
+
+    window: int = 2
+    max_fact_tokens: int = 256
+
+
+@dataclass(frozen=True)
 class Config:
     home: Path = field(default_factory=default_home)
     models_home: Path | None = None  # where converted models live; default home/models
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
     prompt: PromptConfig = PromptConfig()
+    memory: MemoryConfig = MemoryConfig()
 
     @property
     def models_dir(self) -> Path:

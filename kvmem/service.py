@@ -1,176 +1,309 @@
-"""The kvmem client: register facts for a user, encode their KV, chat with them injected.
+"""The memory service: Mem0's API shape, with retrieved facts injected as KV.
 
-    with KVMem() as mem:                       # the bundled SmolLM2 on vLLM
-        f = mem.add_fact("alice", "Alice's dog is called Biscuit.")
-        mem.encode()
-        r = mem.chat("alice", "What is my dog called?", fact_ids=[f.id], mode="kv")
-        print(r.answer, r.ttft_s, r.injected_tokens)
+    with KVMem() as mem:                                   # bundled SmolLM2 on vLLM
+        mem.add([{"role": "user", "content": "My sister adopted a puppy."},
+                 {"role": "user", "content": "She named it Bruno."}], user_id="alice")
+        mem.search("What is the puppy called?", user_id="alice", k=3)
+        r = mem.chat("What is my sister's puppy called?", user_id="alice", k=5, mode="kv")
 
-mode="text" sends the identical prompt tokens without injection: the baseline every memory
-layer uses today. Retrieval (choosing fact_ids from a query) arrives with the memory service.
+Facts live in SQLite (text, metadata, history, vectors), vectors also in an in-memory index per
+user, KV blobs on disk. Writes store and index first, then encode; a fact without usable KV is
+served by text prefill and re-encoded in the background.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-
-from tqdm import tqdm
 
 from kvmem.config import Config
-from kvmem.errors import BlobError, InvalidInputError
-from kvmem.facts import Fact, FactRegistry
-from kvmem.facts.registry import check_user_id
+from kvmem.encoding import EncodeReport, Encoder, salt
+from kvmem.errors import EngineError, InvalidInputError
+from kvmem.facts.messages import check_messages, turn_facts
+from kvmem.facts.scope import Scope
+from kvmem.facts.store import MAX_LIMIT, FactRecord, FactStore, HistoryEvent
+from kvmem.index import ExactIndex, validate_filters
 from kvmem.kv.store import KVStore
 from kvmem.model import resolve_model
+from kvmem.results import AddResult, ChatResult, SearchHit
 
 log = logging.getLogger(__name__)
-MODES = ("kv", "text")
-
-
-@dataclass(frozen=True)
-class ChatResult:
-    answer: str
-    mode: str
-    fact_ids: tuple[str, ...]
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    injected_tokens: int  # tokens the connector wrote from blobs (0 in text mode)
-    cached_tokens: int  # tokens served by vLLM's own prefix cache
-    fallbacks: int  # facts served as text because their blob was missing/corrupt/stale
-    fallback_reasons: dict[str, str] = field(default_factory=dict)
-    token_ids: tuple[int, ...] = ()
-    first_logprobs: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EncodeReport:
-    encoded: int
-    failed: tuple[str, ...]
-    seconds: float
+MODES = ("kv", "text", "off")
+ENCODE_MODES = ("sync", "background", "none")
 
 
 class KVMem:
-    def __init__(self, config: Config | None = None) -> None:
-        from kvmem.engine.llm import Engine
+    def __init__(self, config: Config | None = None, *, engine=None, start_engine: bool = True,
+                 embedder=None, background: bool = True) -> None:
+        from transformers import AutoTokenizer
+
+        from kvmem.embed import default_embedder
         from kvmem.engine.prompt import PromptBuilder
 
         self.config = config or Config.from_env()
         self.model = resolve_model(self.config.engine.model, self.config.models_dir, self.config.engine.dtype)
-        self.engine = Engine(self.model, self.config)
-        self.prompts = PromptBuilder(self.engine.tokenizer, self.config.prompt)
-        self.store = KVStore(self.config.kv_dir, self.model.fingerprint)
-        self.facts = FactRegistry()
-        self.stats: Counter[str] = Counter()
+        self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(str(self.model.path)), self.config.prompt)
+        self.kv = KVStore(self.config.kv_dir, self.model.fingerprint, self.config.kv.hot_cache_mib << 20)
+        self.facts = FactStore(self.config.home / "facts.sqlite")
+        self.embedder = embedder or default_embedder()
+        self.index = ExactIndex(self.embedder.dim)
+        self._write_lock = threading.RLock()  # keeps store, index and blobs in step
+        self.stats: Counter[str] = Counter()  # chats per mode, fallbacks
+        self._rebuild_index()
+        self._owns_engine = engine is None and start_engine
+        self.engine = engine if engine is not None else (self._start_engine() if start_engine else None)
+        self.encoder = Encoder(self.engine, self.prompts, self.kv, self.facts) if self.engine else None
+        if self.encoder:
+            self._requeue_missing_blobs()
+            if background:
+                self.encoder.start()
+
+    def _all_records(self):
+        offset = 0
+        while page := self.facts.list(limit=MAX_LIMIT, offset=offset):
+            yield from page
+            offset += len(page)
+
+    def _start_engine(self):
+        from kvmem.engine.llm import Engine
+
+        return Engine(self.model, self.config)
+
+    def _rebuild_index(self) -> None:
+        for fact_id, scope_key, vector, metadata in self.facts.embeddings():
+            record = self.facts.get(fact_id)
+            self.index.add(record.scope.user_id, [fact_id], vector[None, :], [_index_metadata(record)])
+
+    def _requeue_missing_blobs(self) -> None:
+        """After a restart (or a lost disk), facts marked encoded whose blob is gone become pending."""
+        for record in self._all_records():
+            if record.kv_status == "encoded" and not self.kv.exists(record.id):
+                self.facts.set_kv_status(record.id, "pending")
 
     # -- write path -----------------------------------------------------------------------------
 
-    def add_fact(self, user_id: str, text: str, context: str = "", fact_id: str | None = None) -> Fact:
-        check_user_id(user_id)
-        fact = Fact(fact_id or FactRegistry.new_id(), user_id, text.strip() if isinstance(text, str) else text,
-                    self.prompts.fact_tokens(text), context, self.prompts.context_tokens(context))
-        if len(self.prompts.head_ids) + len(fact.context_tokens) + len(fact.tokens) >= self.engine.max_model_len:
-            raise InvalidInputError(f"fact of {len(fact.tokens)} tokens does not fit the model's context")
-        return self.facts.add(fact)
+    def add(self, messages: str | list[dict] | None = None, *, user_id: str, agent_id: str | None = None,
+            run_id: str | None = None, facts: list[str] | None = None, metadata: dict | None = None,
+            context: str = "", window: int | None = None, encode: str = "sync") -> AddResult:
+        """Store facts (`facts=[...]`, or a str) or a conversation (a list of messages, one fact per turn)."""
+        scope = Scope(user_id, agent_id, run_id)
+        if encode not in ENCODE_MODES:
+            raise InvalidInputError(f"encode must be one of {ENCODE_MODES}, got {encode!r}")
+        items = self._items(messages, facts, context, window, metadata)
+        vectors = self.embedder.embed([i["text"] for i in items])  # [n, dim]
+        with self._write_lock:
+            pairs = self.facts.add_many([dict(i, scope=scope, embedding=v) for i, v in zip(items, vectors)])
+            new = [r for r, created in pairs if created]
+            for r in new:
+                self.index.add(user_id, [r.id], r.embedding[None, :], [_index_metadata(r)])
+        report = self._encode_now(new, encode)
+        return AddResult(tuple(r.id for r, _ in pairs), len(new), len(pairs) - len(new), report)
 
-    def encode(self, fact_ids: list[str] | None = None, *, keep_rotated: bool = False,
-               batch: int = 64) -> EncodeReport:
-        """Compute and store the KV of the given facts (default: every registered fact)."""
-        from kvmem.engine.llm import EngineRequest
-        from kvmem.engine.plan import ENCODE, Plan
+    def _items(self, messages, facts, context, window, metadata) -> list[dict]:
+        if (messages is None) == (facts is None):
+            raise InvalidInputError("pass either messages (a conversation or one fact string) or facts=[...]")
+        if isinstance(messages, str):
+            facts, messages = [messages], None
+        if facts is not None:
+            if not isinstance(facts, list) or not facts:
+                raise InvalidInputError("facts must be a non-empty list of strings")
+            items = [{"text": self._checked_text(t, context), "context": context or "", "source": "fact"} for t in facts]
+        else:
+            check_messages(messages)
+            turns = turn_facts(messages, self.config.memory.window if window is None else window,
+                               self.config.prompt.fact_template)
+            items = [{"text": self._checked_text(t.text, t.context), "context": t.context, "source": "messages",
+                      "position": t.position, "event_time": t.timestamp} for t in turns]
+        for i in items:
+            i["metadata"] = metadata
+        return items
 
-        facts = [self.facts.get(i) for i in fact_ids] if fact_ids is not None else self.facts.all()
-        start = time.perf_counter()
-        self._ensure_head()
-        requests = []
-        for f in facts:
-            prompt = self.prompts.encoding(f.id, f.tokens, f.context_tokens)
-            requests.append(EngineRequest(prompt.token_ids, _salt("encode", f.user_id), max_tokens=1,
-                                          plan=Plan(ENCODE, prompt.segments, keep_rotated)))
-        with tqdm(total=len(requests), desc="encoding facts", unit="fact", disable=len(requests) < batch) as bar:
-            for i in range(0, len(requests), batch):
-                self.engine.run(requests[i : i + batch])
-                bar.update(len(requests[i : i + batch]))
-        failed = tuple(f.id for f in facts if not self._blob_ok(f.id))
-        self.stats["encoded"] += len(facts) - len(failed)
-        self.stats["encode_failures"] += len(failed)
-        return EncodeReport(len(facts) - len(failed), failed, time.perf_counter() - start)
+    def _checked_text(self, text, context: str) -> str:
+        if not isinstance(context, str):
+            raise InvalidInputError(f"context must be a string, got {type(context).__name__}")
+        tokens = self.prompts.fact_tokens(text)  # raises on empty / non-string
+        limit = self.config.memory.max_fact_tokens
+        if len(tokens) > limit:
+            raise InvalidInputError(f"fact is {len(tokens)} tokens long; the limit is {limit} (memory.max_fact_tokens)")
+        if len(self.prompts.head_ids) + len(self.prompts.context_tokens(context)) + len(tokens) >= self.config.engine.max_model_len:
+            raise InvalidInputError("fact and its context do not fit the model's context length")
+        return text.strip()
 
-    def _ensure_head(self) -> None:
-        from kvmem.engine.llm import EngineRequest
-        from kvmem.engine.plan import ENCODE, Plan
+    def _encode_now(self, records: list[FactRecord], mode: str) -> EncodeReport | None:
+        if not records or mode == "none" or self.encoder is None:
+            return None
+        if mode == "background":
+            self.encoder.kick()
+            return None
+        return self.encoder.encode(records)
 
-        if self._blob_ok(self.prompts.head_id):
-            return
-        prompt = self.prompts.head_encoding()
-        self.engine.run([EngineRequest(prompt.token_ids, _salt("encode", ""), max_tokens=1,
-                                       plan=Plan(ENCODE, prompt.segments))])
+    def encode_pending(self, timeout: float = 600.0) -> bool:
+        """Block until the background encoder has nothing left to do."""
+        return self._need_encoder().wait_idle(timeout)
 
-    def _blob_ok(self, fact_id: str) -> bool:
-        try:
-            self.store.get(fact_id)
-            return True
-        except BlobError:
-            return False
+    def update(self, fact_id: str, text: str, metadata: dict | None = None) -> FactRecord:
+        """New text: re-embedded, re-indexed and re-encoded (the old KV is dropped at once)."""
+        old = self.facts.get(fact_id)
+        self._checked_text(text, old.context)
+        vector = self.embedder.embed([text.strip()])[0]
+        with self._write_lock:
+            record = self.facts.update(fact_id, text.strip(), metadata=metadata, embedding=vector)
+            if record.text != old.text:
+                self.kv.delete(fact_id)  # the old KV must never serve the new text
+            self.index.add(record.scope.user_id, [record.id], vector[None, :], [_index_metadata(record)])
+        if record.text != old.text:
+            self._encode_now([record], "sync")
+        return self.facts.get(fact_id)
+
+    def delete(self, fact_id: str) -> None:
+        """Forget: the text, the vector and the KV blob are gone; the history keeps the event only."""
+        with self._write_lock:
+            record = self.facts.delete(fact_id)
+            self.index.remove(record.scope.user_id, fact_id)
+            self.kv.delete(fact_id)
+
+    def delete_all(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None) -> int:
+        scope = Scope(user_id, agent_id, run_id)
+        with self._write_lock:
+            ids = self.facts.delete_scope(scope)
+            for fact_id in ids:
+                self.index.remove(user_id, fact_id)
+                self.kv.delete(fact_id)
+        return len(ids)
+
+    def reset(self) -> None:
+        """Forget everything: every user's facts, vectors, history and blobs."""
+        with self._write_lock:
+            for record in self._all_records():
+                self.kv.delete(record.id)
+            self.facts.reset()
+            self.index = ExactIndex(self.embedder.dim)
 
     # -- read path ------------------------------------------------------------------------------
 
-    def chat(self, user_id: str, message: str | list[dict], fact_ids: list[str] = (), *, mode: str = "kv",
-             max_tokens: int = 64, logprobs: int | None = 20) -> ChatResult:
-        return self.chat_many([(user_id, message, fact_ids)], mode=mode, max_tokens=max_tokens, logprobs=logprobs)[0]
+    def get(self, fact_id: str) -> FactRecord:
+        return self.facts.get(fact_id)
 
-    def chat_many(self, chats: list[tuple[str, str | list[dict], list[str]]], *, mode: str = "kv",
-                  max_tokens: int = 64, logprobs: int | None = 20) -> list[ChatResult]:
-        """Several (user_id, message, fact_ids) chats submitted together, batched by the engine."""
+    def get_all(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
+                filters: dict | None = None, limit: int = 100, offset: int = 0) -> list[FactRecord]:
+        from kvmem.index import matches
+
+        Scope(user_id, agent_id, run_id)
+        norm = validate_filters(filters) if filters else None
+        where = (lambda md: matches(md, norm)) if norm else None
+        return self.facts.list(user_id=user_id, agent_id=agent_id, run_id=run_id, limit=limit, offset=offset, where=where)
+
+    def history(self, fact_id: str) -> list[HistoryEvent]:
+        return self.facts.history(fact_id)
+
+    def search(self, query: str, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
+               k: int = 10, filters: dict | None = None) -> list[SearchHit]:
+        Scope(user_id, agent_id, run_id)
+        if not isinstance(query, str) or not query.strip():
+            raise InvalidInputError("query must be a non-empty string")
+        conditions = dict(validate_filters(filters)) if filters else {}
+        if agent_id is not None:
+            conditions["_agent_id"] = agent_id
+        if run_id is not None:
+            conditions["_run_id"] = run_id
+        vector = self.embedder.embed([query])[0]
+        hits = self.index.search(user_id, vector, k, conditions or None)
+        records = [(h, self.facts.get(h.id)) for h in hits]
+        return [SearchHit(r.id, r.text, float(h.score), r.metadata, r.created_at, r.kv_status) for h, r in records]
+
+    def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
+             run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,
+             mode: str = "kv", max_tokens: int = 64, logprobs: int | None = 20) -> ChatResult:
+        """Answer the conversation with the user's top-k facts for its last user message.
+
+        Facts go into the prompt in the order they were stored (conversation order), not by
+        score: a turn was encoded after the turns that preceded it, so keeping that order keeps
+        the prompt closest to what each fact's KV was computed with, and helps questions about
+        time. `fact_ids` skips retrieval and uses exactly those facts, in that order.
+        """
+        if mode not in MODES:
+            raise InvalidInputError(f"mode must be one of {MODES}, got {mode!r}")
+        messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+        check_messages(messages)
+        t0 = time.perf_counter()
+        facts = self._chat_facts(messages, user_id, agent_id, run_id, k, filters, fact_ids, mode)
+        retrieval_s = time.perf_counter() - t0
+        return self._answer(facts, messages, user_id, mode, max_tokens, logprobs, retrieval_s)
+
+    def _chat_facts(self, messages, user_id, agent_id, run_id, k, filters, fact_ids, mode) -> list[FactRecord]:
+        Scope(user_id, agent_id, run_id)
+        if mode == "off":
+            return []
+        if fact_ids is not None:
+            facts = [self.facts.get(i) for i in fact_ids]
+            foreign = [f.id for f in facts if f.scope.user_id != user_id]
+            if foreign:
+                raise InvalidInputError(f"facts {foreign} do not belong to user {user_id!r}")
+            return facts
+        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        if not question.strip():
+            return []
+        hits = self.search(question, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k, filters=filters)
+        facts = [self.facts.get(h.id) for h in hits]
+        return sorted(facts, key=lambda f: (f.created_at, f.position or 0, f.id))
+
+    def _answer(self, facts, messages, user_id, mode, max_tokens, logprobs, retrieval_s) -> ChatResult:
         from kvmem.engine.llm import EngineRequest
         from kvmem.engine.plan import INJECT, Plan
 
-        if mode not in MODES:
-            raise InvalidInputError(f"mode must be one of {MODES}, got {mode!r}")
+        engine = self._need_engine()
         if mode == "kv":
-            self._ensure_head()
-        requests, used = [], []
-        for user_id, message, fact_ids in chats:
-            facts = self._facts_for(user_id, fact_ids)
-            messages = [{"role": "user", "content": message}] if isinstance(message, str) else list(message)
-            prompt = self.prompts.chat([(f.id, f.tokens) for f in facts], messages)
-            if len(prompt.token_ids) + max_tokens > self.engine.max_model_len:
-                raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
-                                        f"exceeds the model's {self.engine.max_model_len}")
-            plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
-            requests.append(EngineRequest(prompt.token_ids, _salt(mode, user_id), max_tokens, plan, logprobs))
-            used.append(tuple(f.id for f in facts))
-        results = [self._chat_result(r, mode, ids) for r, ids in zip(self.engine.run(requests), used)]
-        self.stats[f"chat_{mode}"] += len(results)
-        self.stats["fallbacks"] += sum(r.fallbacks for r in results)
-        return results
-
-    def _facts_for(self, user_id: str, fact_ids) -> list[Fact]:
-        check_user_id(user_id)
-        facts = [self.facts.get(i) for i in fact_ids]
-        foreign = [f.id for f in facts if f.user_id != user_id]
-        if foreign:
-            raise InvalidInputError(f"facts {foreign} do not belong to user {user_id!r}")
-        return facts
-
-    @staticmethod
-    def _chat_result(r, mode: str, fact_ids: tuple[str, ...]) -> ChatResult:
+            self.encoder.ensure_head()
+        prompt = self.prompts.chat([(f.id, self.prompts.fact_tokens(f.text)) for f in facts], messages)
+        if len(prompt.token_ids) + max_tokens > self.config.engine.max_model_len:
+            raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
+                                    f"exceeds the model's {self.config.engine.max_model_len}")
+        plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
+        (r,) = engine.run([EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs)])
         c = r.connector
+        reasons = c.get("fallbacks", {})
+        self.stats[f"chat_{mode}"] += 1
+        self.stats["fallbacks"] += c.get("facts_as_text", 0)
+        self._requeue(reasons)
         return ChatResult(
-            answer=r.text.strip(), mode=mode, fact_ids=fact_ids, ttft_s=r.ttft_s, latency_s=r.latency_s,
-            prompt_tokens=r.prompt_tokens, injected_tokens=c.get("claimed_tokens", 0),
+            answer=r.text.strip(), mode=mode, fact_ids=tuple(f.id for f in facts), ttft_s=r.ttft_s,
+            latency_s=r.latency_s, prompt_tokens=r.prompt_tokens, injected_tokens=c.get("claimed_tokens", 0),
             cached_tokens=r.cached_tokens - c.get("claimed_tokens", 0), fallbacks=c.get("facts_as_text", 0),
-            fallback_reasons=c.get("fallbacks", {}), token_ids=r.token_ids, first_logprobs=r.first_logprobs,
+            fallback_reasons=reasons, retrieval_s=retrieval_s, token_ids=r.token_ids, first_logprobs=r.first_logprobs,
         )
+
+    def _requeue(self, reasons: dict[str, str]) -> None:
+        """A blob that failed at serving time gets re-encoded in the background."""
+        requeued = False
+        for fact_id in reasons:
+            if fact_id.startswith("f-"):
+                try:
+                    self.facts.set_kv_status(fact_id, "pending")
+                    requeued = True
+                except Exception:  # noqa: BLE001 - deleted meanwhile: nothing to re-encode
+                    pass
+        if requeued:
+            self.encoder.kick()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
+    def _need_engine(self):
+        if self.engine is None:
+            raise EngineError("this KVMem was opened without an engine (start_engine=False)")
+        return self.engine
+
+    def _need_encoder(self) -> Encoder:
+        self._need_engine()
+        return self.encoder
+
     def close(self) -> None:
-        self.engine.close()
+        if self.encoder is not None:
+            self.encoder.stop()
+        if self._owns_engine and self.engine is not None:
+            self.engine.close()
+        self.facts.close()
 
     def __enter__(self) -> "KVMem":
         return self
@@ -179,6 +312,5 @@ class KVMem:
         self.close()
 
 
-def _salt(purpose: str, user_id: str) -> str:
-    """Per user and purpose: KV-mode blocks (approximate) never serve text mode, encoding or others."""
-    return hashlib.sha256(f"kvmem\0{purpose}\0{user_id}".encode()).hexdigest()[:32]
+def _index_metadata(record: FactRecord) -> dict:
+    return {**record.metadata, "_agent_id": record.scope.agent_id, "_run_id": record.scope.run_id}

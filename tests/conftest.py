@@ -31,11 +31,11 @@ def mem(model_dir, tmp_path_factory):
     # Models are converted once into the shared cache; KV blobs go to a fresh folder.
     config = Config(home=tmp_path_factory.mktemp("kvmem-home"), models_home=default_home() / "models")
     logging.getLogger("kvmem").setLevel(logging.INFO)
-    client = KVMem(config)
+    # No background encoder here: tests that need one open their own KVMem on this engine.
+    client = KVMem(config, background=False)
     # Warm-up: the first requests of a fresh engine pay one-off costs that would skew timings.
-    f = client.add_fact("warmup", "The warm-up user likes tea.")
-    client.encode([f.id])
-    client.chat("warmup", "What do I like?", [f.id], mode="text", max_tokens=2)
-    client.chat("warmup", "What do I like?", [f.id], mode="kv", max_tokens=2)
+    client.add(facts=["The warm-up user likes tea."], user_id="warmup")
+    client.chat("What do I like?", user_id="warmup", mode="text", max_tokens=2)
+    client.chat("What do I like?", user_id="warmup", mode="kv", max_tokens=2)
     yield client
     client.close()

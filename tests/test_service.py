@@ -1,60 +1,154 @@
-"""The client API on the real engine: encoding in batches, and bad input getting typed errors."""
+"""The memory API on the real engine: encoding, bad input, forgetting, scopes, concurrency."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
 from kvmem.errors import InvalidInputError, UnknownFactError
+from tests.helpers import add_fact, tokens
 
 
 def test_encoding_many_facts_writes_one_verified_blob_each(mem):
-    facts = [mem.add_fact("batch", f"Fact number {i}: the user's locker code ends in {i:02d}.") for i in range(40)]
-    report = mem.encode([f.id for f in facts])
-    assert report.encoded == 40 and report.failed == ()
-    for f in facts:
-        blob = mem.store.get(f.id)
-        assert blob.token_ids == f.tokens
-        assert blob.key.shape == (mem.model.num_layers, len(f.tokens), mem.model.num_kv_heads, mem.model.head_size)
-    print(f"\nencoded 40 facts in {report.seconds:.2f} s ({40 / report.seconds:.1f} facts/s)")
+    texts = [f"Fact number {i}: the user's locker code ends in {i:02d}." for i in range(40)]
+    result = mem.add(facts=texts, user_id="batch")
+    assert result.created == 40 and result.encode.encoded == 40 and result.encode.failed == ()
+    for fact_id in result.ids:
+        record, blob = mem.get(fact_id), mem.kv.get(fact_id)
+        assert record.kv_status == "encoded" and blob.token_ids == tokens(mem, record)
+        assert blob.key.shape == (mem.model.num_layers, len(blob.token_ids), mem.model.num_kv_heads, mem.model.head_size)
+    print(f"\nencoded 40 facts in {result.encode.seconds:.2f} s ({40 / result.encode.seconds:.1f} facts/s)")
 
 
-@pytest.mark.parametrize("text", ["", "   \n", None, 42])
-def test_empty_or_non_string_fact_is_refused(mem, text):
-    with pytest.raises(InvalidInputError, match="non-empty string"):
-        mem.add_fact("bad-input", text)
+def test_duplicates_within_a_scope_are_stored_once(mem):
+    first = mem.add(facts=["I like jazz."], user_id="dupes")
+    again = mem.add(facts=["I like jazz.", "I like blues."], user_id="dupes")
+    assert again.ids[0] == first.ids[0] and again.created == 1 and again.duplicates == 1
 
 
-def test_missing_user_is_refused(mem):
+@pytest.mark.parametrize("facts,match", [
+    ([""], "non-empty string"), (["   \n"], "non-empty string"), ([None], "non-empty string"), ([42], "non-empty string"),
+    (["word " * 300], "limit is 256"), ([], "non-empty list"),
+])
+def test_bad_facts_are_refused(mem, facts, match):
+    with pytest.raises(InvalidInputError, match=match):
+        mem.add(facts=facts, user_id="bad-input")
+    assert mem.get_all(user_id="bad-input") == []  # nothing half-stored
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([{"role": "user", "content": 5}], "content must be a string"),
+    ([{"role": "robot", "content": "hi"}], "role must be one of"),
+    (["hello"], "must be a dict"),
+    ([], "non-empty list"),
+])
+def test_bad_messages_are_refused(mem, messages, match):
+    with pytest.raises(InvalidInputError, match=match):
+        mem.add(messages, user_id="bad-input")
+
+
+@pytest.mark.parametrize("user_id", ["", "  ", None, 7])
+def test_missing_scope_is_refused(mem, user_id):
     with pytest.raises(InvalidInputError, match="user_id"):
-        mem.add_fact("", "A fact.")
+        mem.add(facts=["A fact."], user_id=user_id)
+    with pytest.raises(InvalidInputError, match="user_id"):
+        mem.search("anything", user_id=user_id)
 
 
-def test_unknown_fact_id_is_refused(mem):
-    with pytest.raises(UnknownFactError, match="unknown fact id 'f-nope'"):
-        mem.chat("bad-input", "Hi", ["f-nope"])
-    with pytest.raises(UnknownFactError):
-        mem.encode(["f-nope"])
+def test_unknown_ids_are_refused(mem):
+    for call in (lambda: mem.get("f-nope"), lambda: mem.delete("f-nope"), lambda: mem.update("f-nope", "x"),
+                 lambda: mem.history("f-nope"), lambda: mem.chat("Hi", user_id="u", fact_ids=["f-nope"])):
+        with pytest.raises(UnknownFactError, match="f-nope"):
+            call()
 
 
-def test_bad_mode_is_refused(mem):
+@pytest.mark.parametrize("filters,match", [({"n": {"between": [1, 2]}}, "operator"), ({"n": {"in": 3}}, "list"),
+                                           ("color=red", "dict")])
+def test_invalid_filters_are_refused(mem, filters, match):
+    with pytest.raises(InvalidInputError, match=match):
+        mem.search("anything", user_id="bad-input", filters=filters)
+
+
+def test_bad_mode_and_foreign_facts_are_refused(mem):
     with pytest.raises(InvalidInputError, match="mode must be one of"):
-        mem.chat("bad-input", "Hi", [], mode="telepathy")
-
-
-def test_another_users_fact_is_refused(mem):
-    f = mem.add_fact("owner", "The owner's secret is 42.")
+        mem.chat("Hi", user_id="bad-input", mode="telepathy")
+    secret = add_fact(mem, "owner", "The owner's secret is 42.")
     with pytest.raises(InvalidInputError, match="do not belong"):
-        mem.chat("intruder", "What is the secret?", [f.id])
+        mem.chat("What is the secret?", user_id="intruder", fact_ids=[secret.id])
 
 
 def test_prompt_that_cannot_fit_is_refused(mem):
     with pytest.raises(InvalidInputError, match="exceeds"):
-        mem.chat("bad-input", "word " * 5000, [])
-    with pytest.raises(InvalidInputError, match="does not fit"):
-        mem.add_fact("bad-input", "word " * 5000)
+        mem.chat("word " * 5000, user_id="bad-input", mode="text")
 
 
-def test_chat_without_facts_still_answers_in_both_modes(mem):
-    for mode in ("text", "kv"):
-        r = mem.chat("no-facts", "Say hello.", [], mode=mode, max_tokens=8)
-        assert r.answer and r.fallbacks == 0
+def test_chat_without_facts_answers_in_every_mode(mem):
+    for mode in ("text", "kv", "off"):
+        r = mem.chat("Say hello.", user_id="no-facts", mode=mode, max_tokens=8)
+        assert r.answer and r.fallbacks == 0 and r.fact_ids == ()
+
+
+def test_search_ranks_the_matching_fact_first_and_filters(mem):
+    ids = mem.add(facts=["My car is a red Fiat.", "I was born in Oslo.", "My favourite dish is ramen."],
+                  user_id="searcher").ids
+    mem.update(ids[1], "I was born in Oslo in 1990.", metadata={"year": 1990})
+    hits = mem.search("Where was I born?", user_id="searcher", k=3)
+    assert hits[0].id == ids[1] and hits[0].score > hits[1].score
+    assert [h.id for h in mem.search("Where was I born?", user_id="searcher", filters={"year": {"gte": 1991}})] == []
+    assert [e.event for e in mem.history(ids[1])] == ["ADD", "UPDATE"]
+    assert mem.kv.get(ids[1]).token_ids == tokens(mem, mem.get(ids[1]))  # re-encoded with the new text
+
+
+def test_scopes_are_isolated_even_with_identical_text(mem):
+    a = mem.add(facts=["My locker code is 4471."], user_id="scope-a").ids[0]
+    b = mem.add(facts=["My locker code is 4471."], user_id="scope-b").ids[0]
+    assert a != b
+    assert [h.id for h in mem.search("locker code", user_id="scope-b", k=10)] == [b]
+    r = mem.chat("What is my locker code?", user_id="scope-b", k=10, mode="kv", max_tokens=8)
+    assert r.fact_ids == (b,)
+    assert {f.id for f in mem.get_all(user_id="scope-a")} == {a}
+
+
+def test_delete_forgets_text_vector_and_blob(mem):
+    keep = add_fact(mem, "forget", "I have a cat named Pixel.")
+    gone = add_fact(mem, "forget", "My bank PIN is 9931.")
+    blob_path = mem.kv.path(gone.id)
+    assert blob_path.exists() and mem.index.count("forget") == 2
+    mem.delete(gone.id)
+    assert not blob_path.exists() and mem.index.count("forget") == 1
+    assert all(h.id != gone.id for h in mem.search("My bank PIN is 9931.", user_id="forget", k=10))
+    r = mem.chat("My bank PIN is 9931.", user_id="forget", k=10, mode="kv", max_tokens=8)
+    assert gone.id not in r.fact_ids and keep.id in r.fact_ids
+    events = mem.history(gone.id)
+    assert [e.event for e in events] == ["ADD", "DELETE"] and all(e.old_text is None and e.new_text is None for e in events)
+    assert b"9931" not in (mem.config.home / "facts.sqlite").read_bytes()
+
+
+def test_delete_all_clears_one_scope(mem):
+    mem.add(facts=["Run fact one.", "Run fact two."], user_id="scoped", run_id="r1")
+    kept = mem.add(facts=["Other run fact."], user_id="scoped", run_id="r2").ids
+    assert mem.delete_all(user_id="scoped", run_id="r1") == 2
+    assert [f.id for f in mem.get_all(user_id="scoped")] == list(kept)
+    assert [h.id for h in mem.search("fact", user_id="scoped", k=10)] == list(kept)
+
+
+def test_ten_threads_adding_fifty_facts_each_lose_nothing(mem):
+    errors = []
+
+    def worker(t):
+        try:
+            mem.add(facts=[f"Thread {t} fact {i}: item {t * 100 + i} is stored." for i in range(50)], user_id="threads")
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    records = mem.get_all(user_id="threads", limit=1000)
+    assert len(records) == 500 and mem.index.count("threads") == 500
+    assert sum(mem.kv.exists(r.id) for r in records) == 500
+    assert all(r.kv_status == "encoded" for r in records)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - vLLM raises many types while starting
             raise EngineError(f"vLLM failed to start on {model.path}: {e}") from e
         self._engine = self._llm.llm_engine
+        self._lock = threading.Lock()  # LLMEngine is not thread-safe: one batch at a time
         self.model = model
         self.max_model_len = ec.max_model_len
 
@@ -79,6 +81,10 @@ class Engine:
 
     def run(self, requests: list[EngineRequest]) -> list[EngineResult]:
         """Submit all requests at once (the engine batches them) and wait for all of them."""
+        with self._lock:
+            return self._run(requests)
+
+    def _run(self, requests: list[EngineRequest]) -> list[EngineResult]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

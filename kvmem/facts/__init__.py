@@ -1,5 +1,6 @@
-"""Fact records and where they are kept."""
+"""Fact records, their scopes, and the durable store that keeps them."""
 
-from kvmem.facts.registry import Fact, FactRegistry
+from kvmem.facts.scope import Scope
+from kvmem.facts.store import FactRecord, FactStore, HistoryEvent
 
-__all__ = ["Fact", "FactRegistry"]
+__all__ = ["FactRecord", "FactStore", "HistoryEvent", "Scope"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from tests.helpers import add_fact, tokens
 
 FACTS = [
     "Maya's daughter is named Lena and she is seven years old.",
@@ -28,14 +28,14 @@ def logprob_gap(a: dict[int, float], b: dict[int, float]) -> float:
 
 
 def test_k1_injection_matches_text_prefill(mem):
-    fact = mem.add_fact("oracle", FACTS[0])
-    assert mem.encode([fact.id]).encoded == 1
+    fact = add_fact(mem, "oracle", FACTS[0])
+    assert fact.kv_status == "encoded"
     q = "How old is my daughter?"
-    text = mem.chat("oracle", q, [fact.id], mode="text", max_tokens=24)
-    cached = mem.chat("oracle", q, [fact.id], mode="text", max_tokens=24)  # engine's own prefix-cache path
-    kv = mem.chat("oracle", q, [fact.id], mode="kv", max_tokens=24)
+    text = mem.chat(q, user_id="oracle", fact_ids=[fact.id], mode="text", max_tokens=24)
+    cached = mem.chat(q, user_id="oracle", fact_ids=[fact.id], mode="text", max_tokens=24)  # engine's own prefix-cache path
+    kv = mem.chat(q, user_id="oracle", fact_ids=[fact.id], mode="kv", max_tokens=24)
 
-    assert kv.injected_tokens == kv.prompt_tokens - len(mem.prompts.chat([], [{"role": "user", "content": q}]).token_ids) + len(mem.prompts.head_ids)
+    assert kv.injected_tokens == len(mem.prompts.head_ids) + len(tokens(mem, fact))
     assert kv.fallbacks == 0
     cache_noise = logprob_gap(text.first_logprobs, cached.first_logprobs)
     kv_gap = logprob_gap(text.first_logprobs, kv.first_logprobs)
@@ -62,13 +62,13 @@ def _near_tie(logprobs, tol):
 
 
 def test_k10_injection_claims_all_facts(mem):
-    facts = [mem.add_fact("k10", t) for t in FACTS]
-    assert mem.encode([f.id for f in facts]).encoded == 10
-    ids = [f.id for f in facts]
+    result = mem.add(facts=FACTS, user_id="k10")
+    assert result.encode.encoded == 10
+    ids = list(result.ids)
     q = "What is the name of my cat?"
-    text = mem.chat("k10", q, ids, mode="text", max_tokens=24)
-    kv = mem.chat("k10", q, ids, mode="kv", max_tokens=24)
-    expected = len(mem.prompts.head_ids) + sum(len(f.tokens) for f in facts)
+    text = mem.chat(q, user_id="k10", fact_ids=ids, mode="text", max_tokens=24)
+    kv = mem.chat(q, user_id="k10", fact_ids=ids, mode="kv", max_tokens=24)
+    expected = len(mem.prompts.head_ids) + sum(len(tokens(mem, mem.get(i))) for i in ids)
     assert kv.injected_tokens == expected and kv.cached_tokens == 0
     assert kv.fallbacks == 0 and kv.answer
     top_text = max(text.first_logprobs, key=text.first_logprobs.get)
@@ -90,15 +90,15 @@ def test_rotating_stored_key_reproduces_engine_cache(mem):
 
     from kvmem.engine.rope import KeyRotator
 
-    fact = mem.add_fact("rope", FACTS[1], context="We talked about moving abroad.")
-    mem.encode([fact.id], keep_rotated=True)
-    blob = mem.store.get(fact.id)
+    fact = add_fact(mem, "rope", FACTS[1], context="We talked about moving abroad.", encode="none")
+    mem.encoder.encode([fact], keep_rotated=True)
+    blob = mem.kv.get(fact.id)
     cfg = mem.engine._llm.llm_engine.vllm_config
     hf = cfg.model_config.hf_text_config
     with set_current_vllm_config(VllmConfig()):
         rope = get_rope(64, max_position=hf.max_position_embeddings, rope_parameters=hf.rope_parameters,
                         dtype=torch.bfloat16)
-    start = len(mem.prompts.head_ids) + len(fact.context_tokens)
+    start = len(mem.prompts.head_ids) + len(mem.prompts.context_tokens(fact.context))
     positions = torch.arange(start, start + blob.num_tokens)
     rotated = KeyRotator(rope).rotate(blob.key, positions).to(torch.bfloat16)
     engine_k = blob.extras["key_rotated"]
@@ -113,17 +113,16 @@ def test_k10_facts_encoded_after_their_true_prefix_reproduce_text_prefill(mem):
     ten segments must equal text prefill: this pins slot mapping and multi-segment assembly."""
     from kvmem.engine.llm import EngineRequest
     from kvmem.engine.plan import ENCODE, Plan
-    from kvmem.service import _salt
+    from kvmem.encoding import salt
 
-    facts = [mem.add_fact("k10-exact", t) for t in FACTS]
+    ids = list(mem.add(facts=FACTS, user_id="k10-exact", encode="none").ids)
     q = [{"role": "user", "content": "What is the name of my cat?"}]
-    prompt = mem.prompts.chat([(f.id, f.tokens) for f in facts], q)
-    mem.engine.run([EngineRequest(prompt.token_ids[: seg.end], _salt("encode", "k10-exact"), max_tokens=1,
+    prompt = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in ids], q)
+    mem.engine.run([EngineRequest(prompt.token_ids[: seg.end], salt("encode", "k10-exact"), max_tokens=1,
                                   plan=Plan(ENCODE, (seg,))) for seg in prompt.segments[1:]])
-    ids = [f.id for f in facts]
-    text = mem.chat("k10-exact", q, ids, mode="text", max_tokens=24)
-    cached = mem.chat("k10-exact", q, ids, mode="text", max_tokens=24)
-    kv = mem.chat("k10-exact", q, ids, mode="kv", max_tokens=24)
+    text = mem.chat(q, user_id="k10-exact", fact_ids=ids, mode="text", max_tokens=24)
+    cached = mem.chat(q, user_id="k10-exact", fact_ids=ids, mode="text", max_tokens=24)
+    kv = mem.chat(q, user_id="k10-exact", fact_ids=ids, mode="kv", max_tokens=24)
     assert kv.injected_tokens == prompt.memory_tokens and kv.fallbacks == 0
     cache_noise = logprob_gap(text.first_logprobs, cached.first_logprobs)
     gap = logprob_gap(text.first_logprobs, kv.first_logprobs)

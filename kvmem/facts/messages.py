@@ -1,0 +1,58 @@
+"""Turning a conversation into turn facts, each with the window of turns that preceded it.
+
+Context-Window Encoding: a turn's KV is computed after the `window` turns before it, so that
+"She named it Bruno" is encoded knowing that "she" is the user's sister and "it" her puppy.
+Only the turn's own KV is kept; the window just shapes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmem.errors import InvalidInputError
+
+ROLES = ("user", "assistant", "system")
+
+
+@dataclass(frozen=True)
+class TurnFact:
+    text: str  # "[timestamp] speaker: content" as stored, searched and injected
+    context: str  # the preceding turns, rendered the way facts appear in prompts
+    position: int  # turn index within the conversation
+    role: str
+    timestamp: str | None
+
+
+def turn_text(message: dict) -> str:
+    speaker = message.get("name") or message["role"]
+    stamp = f"[{message['timestamp']}] " if message.get("timestamp") else ""
+    return f"{stamp}{speaker}: {message['content'].strip()}"
+
+
+def turn_facts(messages: list[dict], window: int, fact_template: str) -> list[TurnFact]:
+    check_messages(messages)
+    if not isinstance(window, int) or window < 0:
+        raise InvalidInputError(f"window must be an integer >= 0, got {window!r}")
+    texts = [turn_text(m) for m in messages]
+    facts = []
+    for i, m in enumerate(messages):
+        if not m["content"].strip():
+            continue  # an empty turn carries no fact (it still counts as context position)
+        context = "".join(fact_template.format(text=t) for t in texts[max(0, i - window) : i])
+        facts.append(TurnFact(texts[i], context, i, m["role"], m.get("timestamp")))
+    return facts
+
+
+def check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInputError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidInputError(f"message {i} must be a dict, got {type(m).__name__}")
+        if m.get("role") not in ROLES:
+            raise InvalidInputError(f"message {i}: role must be one of {ROLES}, got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise InvalidInputError(f"message {i}: content must be a string, got {type(m.get('content')).__name__}")
+        ts = m.get("timestamp")
+        if ts is not None and not isinstance(ts, str):
+            raise InvalidInputError(f"message {i}: timestamp must be a string, got {type(ts).__name__}")

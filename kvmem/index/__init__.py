@@ -1,0 +1,17 @@
+"""Vector search over facts, per scope (user), with Mem0-style metadata filters."""
+
+from kvmem.index.base import Hit, VectorIndex
+from kvmem.index.exact import ExactIndex
+from kvmem.index.filters import OPERATORS, Condition, Filters, matcher, matches, validate_filters
+
+__all__ = [
+    "OPERATORS",
+    "Condition",
+    "ExactIndex",
+    "Filters",
+    "Hit",
+    "VectorIndex",
+    "matcher",
+    "matches",
+    "validate_filters",
+]

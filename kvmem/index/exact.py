@@ -1,0 +1,119 @@
+"""`ExactIndex`: brute-force cosine search, one dense block per scope.
+
+Exact is the right default at per-user memory sizes (a few thousand facts): one
+matrix-vector product over the scope beats any graph index on recall and is fast enough.
+Vectors are normalised on the way in, so the dot product is the cosine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from numbers import Integral
+from typing import Any
+
+import numpy as np
+
+from kvmem.errors import InvalidInputError
+from kvmem.index.base import Hit, VectorIndex
+from kvmem.index.block import ScopeBlock
+from kvmem.index.checks import check_ids, check_metadatas, check_scope, unit_query, unit_rows
+from kvmem.index.filters import Filters, matcher, validate_filters
+from kvmem.index.rwlock import RWLock
+
+
+class ExactIndex(VectorIndex):
+    def __init__(self, dim: int) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise InvalidInputError(f"dim must be an int >= 1, got {dim!r}")
+        self.dim = dim
+        self._scopes: dict[str, ScopeBlock] = {}
+        self._lock = RWLock()
+
+    def add(
+        self,
+        scope_key: str,
+        ids: Sequence[str],
+        vectors: np.ndarray,
+        metadatas: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> None:
+        check_scope(scope_key)
+        ids = check_ids(ids)
+        rows = unit_rows(vectors, len(ids), self.dim)  # [n, dim]
+        metas = check_metadatas(metadatas, len(ids))
+        if not ids:
+            return
+        with self._lock.write():
+            block = self._scopes.get(scope_key)
+            if block is None:
+                block = self._scopes[scope_key] = ScopeBlock(self.dim)
+            block.upsert(ids, rows, metas)
+
+    def remove(self, scope_key: str, id: str) -> bool:
+        check_scope(scope_key)
+        check_ids([id])
+        with self._lock.write():
+            block = self._scopes.get(scope_key)
+            if block is None or not block.remove(id):
+                return False
+            if not block:
+                del self._scopes[scope_key]  # empty scopes would pile up, one per departed user
+            return True
+
+    def remove_scope(self, scope_key: str) -> int:
+        check_scope(scope_key)
+        with self._lock.write():
+            block = self._scopes.pop(scope_key, None)
+            return len(block) if block is not None else 0
+
+    def search(
+        self,
+        scope_key: str,
+        query: np.ndarray,
+        k: int,
+        filters: Mapping[str, Any] | Filters | None = None,
+    ) -> list[Hit]:
+        if isinstance(k, bool) or not isinstance(k, Integral) or k < 1:
+            raise InvalidInputError(f"k must be an int >= 1, got {k!r}")
+        check_scope(scope_key)
+        q = unit_query(query, self.dim)  # [dim]
+        conditions = validate_filters(filters)
+        with self._lock.read():
+            block = self._scopes.get(scope_key)
+            if block is None:
+                return []
+            return _search_block(block, q, int(k), conditions)
+
+    def count(self, scope_key: str) -> int:
+        with self._lock.read():
+            block = self._scopes.get(scope_key)
+            return len(block) if block is not None else 0
+
+    def __len__(self) -> int:
+        with self._lock.read():
+            return sum(len(b) for b in self._scopes.values())
+
+
+def _search_block(block: ScopeBlock, q: np.ndarray, k: int, conditions: Filters) -> list[Hit]:
+    """Filter first, then exact top-k over the rows that passed. Caller holds the read lock."""
+    if not conditions:
+        return top_k(block.live() @ q, block.ids, k)  # [size, dim] @ [dim] -> [size]
+    match = matcher(conditions)
+    rows = [i for i, meta in enumerate(block.metas) if match(meta)]
+    if not rows:
+        return []
+    scores = block.vectors[rows] @ q  # [m, dim] @ [dim] -> [m]
+    return top_k(scores, [block.ids[i] for i in rows], k)
+
+
+def top_k(scores: np.ndarray, ids: Sequence[str], k: int) -> list[Hit]:
+    """The k best of `scores` [m] (ids[i] owns scores[i]), best first, equal scores by id."""
+    if k < len(scores):
+        part = np.argpartition(-scores, k - 1)[:k]  # [k], unordered
+        # argpartition picks arbitrarily among scores equal to the k-th; take them all so
+        # the id tie-break below decides, not the partition.
+        candidates = np.flatnonzero(scores >= scores[part].min())
+    else:
+        candidates = np.arange(len(scores))
+    pairs = zip(scores[candidates].tolist(), candidates.tolist())
+    best = sorted(pairs, key=lambda p: (-p[0], ids[p[1]]))[:k]
+    return [Hit(ids[i], score) for score, i in best]

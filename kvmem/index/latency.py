@@ -1,0 +1,60 @@
+"""Median `ExactIndex.search` latency at a few scope sizes. Run: python -m kvmem.index.latency
+
+A quick read on whether exact search is still cheap enough at per-user sizes; not a test
+(timings depend on the machine), so nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvmem.index.exact import ExactIndex
+
+DIM = 384  # all-MiniLM-L6-v2
+SIZES = (100, 1_000, 10_000)
+K = 10
+FILTER = {"kind": {"in": ["pref", "fact"]}, "day": {"gte": "2024-06-01"}}
+
+
+def build(n: int, rng: np.random.Generator) -> ExactIndex:
+    index = ExactIndex(DIM)
+    kinds = ["pref", "fact", "event", "misc"]
+    metas = [{"kind": kinds[i % 4], "day": f"2024-{i % 12 + 1:02d}-01"} for i in range(n)]
+    index.add("user", [f"m{i}" for i in range(n)], rng.normal(size=(n, DIM)).astype(np.float32), metas)
+    return index
+
+
+def median_us(fn: Callable[[np.ndarray], object], queries: np.ndarray, reps: int) -> float:
+    """Median wall time of one call, in microseconds, after a short warm-up."""
+    for q in queries[:5]:
+        fn(q)
+    times = []
+    for i in range(reps):
+        q = queries[i % len(queries)]
+        start = time.perf_counter()
+        fn(q)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    queries = rng.normal(size=(64, DIM)).astype(np.float32)  # [64, dim]
+    print(f"ExactIndex.search, dim={DIM}, k={K}, one scope; median over many calls")
+    print(f"filtered: {FILTER} (matches 1/4 of rows)")
+    print(f"{'vectors':>8} | {'unfiltered':>12} | {'filtered':>12} | reps (plain/filtered)")
+    print(f"{'-' * 8}-+-{'-' * 12}-+-{'-' * 12}-+-----")
+    for n in SIZES:
+        index = build(n, rng)
+        reps = max(200, 200_000 // n)  # more repetitions where one call is short
+        plain = median_us(lambda q: index.search("user", q, K), queries, reps)
+        filtered = median_us(lambda q: index.search("user", q, K, FILTER), queries, min(reps, 500))
+        print(f"{n:>8} | {plain:>9.1f} us | {filtered:>9.1f} us | {reps}/{min(reps, 500)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Validated filter conditions compiled to closures: built once per search, run once per row.
+
+A filtered search calls these for every row of a scope, so the per-row work is kept to a
+dict lookup and one comparison: operators are resolved at compile time, `in` lists become
+sets, and ISO date strings are parsed through a cache.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Mapping
+from datetime import date, datetime, timezone
+from functools import lru_cache
+from numbers import Real
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvmem.index.filters import Condition
+
+Predicate = Callable[[Mapping[str, Any]], bool]
+Test = Callable[[Any], bool]
+
+# A missing key reads as this sentinel: equal to nothing, in no list, in no range.
+_MISSING = object()
+_RANGE = {"gt": operator.gt, "gte": operator.ge, "lt": operator.lt, "lte": operator.le}
+
+
+def compile_conditions(conditions: Iterable[Condition]) -> Callable[[Mapping[str, Any] | None], bool]:
+    """One predicate that is True when metadata satisfies every condition."""
+    preds = [_predicate(c) for c in conditions]
+
+    def match(metadata: Mapping[str, Any] | None) -> bool:
+        metadata = metadata or {}
+        for pred in preds:  # a plain loop: all() over a generator costs more per row
+            if not pred(metadata):
+                return False
+        return True
+
+    return match
+
+
+def as_datetime(value: Any) -> datetime | None:
+    """`value` (ISO-8601 string, date or datetime) as an aware datetime; None when not a date."""
+    if isinstance(value, str):
+        return _parse_iso(value)
+    if isinstance(value, datetime):
+        # Naive is taken as UTC: comparing naive with aware would raise instead of answering.
+        return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+    if isinstance(value, date):
+        return datetime(value.year, value.month, value.day, tzinfo=timezone.utc)
+    return None
+
+
+@lru_cache(maxsize=65536)
+def _parse_iso(text: str) -> datetime | None:
+    try:
+        return as_datetime(datetime.fromisoformat(text))
+    except ValueError:
+        return None
+
+
+def _predicate(cond: Condition) -> Predicate:
+    key = cond.key
+    if cond.op in ("eq", "ne"):
+        test = _equals_test(cond.value)
+    elif cond.op in ("in", "nin"):
+        test = _member_test(cond.value)
+    else:
+        test = _range_test(cond.op, cond.value)
+    if cond.op in ("ne", "nin"):  # exact negations, so a missing key matches them
+        return lambda meta: not test(meta.get(key, _MISSING))
+    return lambda meta: test(meta.get(key, _MISSING))
+
+
+def _equals_test(expected: Any) -> Test:
+    if isinstance(expected, datetime):
+        return lambda actual: as_datetime(actual) == expected
+    is_bool = isinstance(expected, bool)
+    # Python says True == 1; a flag and a count are different things in metadata.
+    return lambda actual: isinstance(actual, bool) is is_bool and actual == expected
+
+
+def _member_test(values: tuple[Any, ...]) -> Test:
+    dates = [v for v in values if isinstance(v, datetime)]
+    keys = {_bool_aware(v) for v in values if not isinstance(v, datetime)}
+
+    def test(actual: Any) -> bool:
+        try:
+            if _bool_aware(actual) in keys:
+                return True
+        except TypeError:  # unhashable metadata (a list, a dict) equals no scalar
+            return False
+        return bool(dates) and as_datetime(actual) in dates
+
+    return test
+
+
+def _bool_aware(value: Any) -> tuple[bool, Any]:
+    """A set key under which True and 1 differ but 1 and 1.0 do not."""
+    return (isinstance(value, bool), value)
+
+
+def _range_test(op: str, bound: Real | datetime) -> Test:
+    compare = _RANGE[op]
+
+    def on_dates(actual: Any) -> bool:
+        when = as_datetime(actual)
+        return when is not None and compare(when, bound)
+
+    def on_numbers(actual: Any) -> bool:
+        return isinstance(actual, Real) and not isinstance(actual, bool) and compare(actual, bound)
+
+    return on_dates if isinstance(bound, datetime) else on_numbers
