@@ -203,13 +203,10 @@ class KVMem:
         Scope(user_id, agent_id, run_id)
         if not isinstance(query, str) or not query.strip():
             raise InvalidInputError("query must be a non-empty string")
-        conditions = dict(validate_filters(filters)) if filters else {}
-        if agent_id is not None:
-            conditions["_agent_id"] = agent_id
-        if run_id is not None:
-            conditions["_run_id"] = run_id
+        validate_filters(filters or {})  # the user's own filters, checked before scope keys join them
+        conditions = {**(filters or {}), **{k_: v for k_, v in (("_agent_id", agent_id), ("_run_id", run_id)) if v}}
         vector = self.embedder.embed([query])[0]
-        hits = self.index.search(user_id, vector, k, conditions or None)
+        hits = self.index.search(user_id, vector, k, validate_filters(conditions) if conditions else None)
         records = [(h, self.facts.get(h.id)) for h in hits]
         return [SearchHit(r.id, r.text, float(h.score), r.metadata, r.created_at, r.kv_status) for h, r in records]
 
