@@ -1,0 +1,44 @@
+"""Reading LoCoMo by path (CC BY-NC: never copied into this repository)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmem.errors import InvalidInputError
+
+DEFAULT_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "locomo" / "locomo_dev.json"
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str
+    speaker: str
+    session: int
+    date: str
+
+
+def load(path: Path | str = DEFAULT_PATH) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"LoCoMo data not found at {path} (pass --data PATH)")
+    return json.loads(path.read_text())
+
+
+def observations(conversation: dict) -> list[Observation]:
+    """Atomic facts about each speaker, in session order, each with its session's date."""
+    conv, out = conversation["conversation"], []
+    for key, per_speaker in sorted(conversation["observation"].items(), key=lambda kv: _session(kv[0])):
+        n = _session(key)
+        for speaker, items in per_speaker.items():
+            out += [Observation(text, speaker, n, conv.get(f"session_{n}_date_time", "")) for text, _ in items]
+    return out
+
+
+def questions(conversation: dict, categories=(1, 2, 3, 4)) -> list[dict]:
+    return [q for q in conversation["qa"] if q.get("category") in categories and "answer" in q]
+
+
+def _session(key: str) -> int:
+    return int(key.split("_")[1])
