@@ -130,3 +130,40 @@ def test_k10_facts_encoded_after_their_true_prefix_reproduce_text_prefill(mem):
     tol = 2 * cache_noise + 0.05
     assert gap <= tol
     assert_same_greedy(text, kv, tol)
+
+
+def test_injection_after_a_partial_prefix_cache_hit_stays_exact(mem):
+    """Second request of a user sharing leading facts with the first: vLLM's prefix cache serves
+    the shared full blocks, the connector injects the rest starting mid-block. With true-prefix
+    encoding both prompts must still equal text prefill."""
+    user = "partial-hit"
+    ids = list(mem.add(facts=FACTS[:7], user_id=user, encode="none").ids)
+    q = [{"role": "user", "content": "What is my cat called?"}]
+    first_ids, second_ids = ids[:6], ids[:5] + ids[6:7]  # same first five facts, a different sixth
+    for chosen in (first_ids, second_ids):
+        encode_after_true_prefix(mem, user, chosen, q)
+    first = mem.chat(q, user_id=user, fact_ids=first_ids, mode="kv", max_tokens=4)
+    assert first.cached_tokens == 0
+
+    second = mem.chat(q, user_id=user, fact_ids=second_ids, mode="kv", max_tokens=24)
+    text = mem.chat(q, user_id=user, fact_ids=second_ids, mode="text", max_tokens=24)
+    memory = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in second_ids], q).memory_tokens
+    shared = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in ids[:5]], q).memory_tokens
+    block = mem.config.engine.block_size
+    assert second.cached_tokens == shared // block * block > 0
+    assert second.injected_tokens == memory - second.cached_tokens
+    gap = logprob_gap(text.first_logprobs, second.first_logprobs)
+    print(f"\nafter a partial prefix hit ({second.cached_tokens} cached + {second.injected_tokens} injected): gap {gap:.4f}")
+    assert gap <= 0.3
+    assert_same_greedy(text, second, 0.3)
+
+
+def encode_after_true_prefix(mem, user, fact_ids, messages):
+    """Encode each fact after exactly the tokens that precede it in this prompt."""
+    from kvmem.encoding import salt
+    from kvmem.engine.llm import EngineRequest
+    from kvmem.engine.plan import ENCODE, Plan
+
+    prompt = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in fact_ids], messages)
+    mem.engine.run([EngineRequest(prompt.token_ids[: seg.end], salt("encode", user), max_tokens=1,
+                                  plan=Plan(ENCODE, (seg,))) for seg in prompt.segments[1:]])
