@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from typing import Iterator
 
 from kvmem.config import Config
 from kvmem.encoding import EncodeReport, Encoder, salt
@@ -219,7 +220,27 @@ class KVMem:
         score: a turn was encoded after the turns that preceded it, so keeping that order keeps
         the prompt closest to what each fact's KV was computed with, and helps questions about
         time. `fact_ids` skips retrieval and uses exactly those facts, in that order.
+        Thread-safe: concurrent chats are batched by the engine.
         """
+        facts, request, retrieval_s = self._prepare(messages, user_id, agent_id, run_id, k, filters, fact_ids,
+                                                    mode, max_tokens, logprobs)
+        (result,) = self._need_engine().run([request])
+        return self._finish(result, facts, mode, user_id, retrieval_s)
+
+    def chat_stream(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
+                    run_id: str | None = None, k: int = 10, filters: dict | None = None,
+                    fact_ids: list[str] | None = None, mode: str = "kv", max_tokens: int = 64,
+                    logprobs: int | None = None) -> Iterator[str | ChatResult]:
+        """Like chat, streaming: yields text deltas as they are generated, then the ChatResult."""
+        facts, request, retrieval_s = self._prepare(messages, user_id, agent_id, run_id, k, filters, fact_ids,
+                                                    mode, max_tokens, logprobs)
+        for item in self._need_engine().stream(request):
+            yield item if isinstance(item, str) else self._finish(item, facts, mode, user_id, retrieval_s)
+
+    def _prepare(self, messages, user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs):
+        from kvmem.engine.llm import EngineRequest
+        from kvmem.engine.plan import INJECT, Plan
+
         if mode not in MODES:
             raise InvalidInputError(f"mode must be one of {MODES}, got {mode!r}")
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
@@ -227,7 +248,15 @@ class KVMem:
         t0 = time.perf_counter()
         facts = self._chat_facts(messages, user_id, agent_id, run_id, k, filters, fact_ids, mode)
         retrieval_s = time.perf_counter() - t0
-        return self._answer(facts, messages, user_id, mode, max_tokens, logprobs, retrieval_s)
+        self._need_engine()
+        if mode == "kv":
+            self.encoder.ensure_head()
+        prompt = self.prompts.chat([(f.id, self.prompts.fact_tokens(f.text)) for f in facts], messages)
+        if len(prompt.token_ids) + max_tokens > self.config.engine.max_model_len:
+            raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
+                                    f"exceeds the model's {self.config.engine.max_model_len}")
+        plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
+        return facts, EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs), retrieval_s
 
     def _chat_facts(self, messages, user_id, agent_id, run_id, k, filters, fact_ids, mode) -> list[FactRecord]:
         Scope(user_id, agent_id, run_id)
@@ -246,19 +275,7 @@ class KVMem:
         facts = [self.facts.get(h.id) for h in hits]
         return sorted(facts, key=lambda f: (f.created_at, f.position or 0, f.id))
 
-    def _answer(self, facts, messages, user_id, mode, max_tokens, logprobs, retrieval_s) -> ChatResult:
-        from kvmem.engine.llm import EngineRequest
-        from kvmem.engine.plan import INJECT, Plan
-
-        engine = self._need_engine()
-        if mode == "kv":
-            self.encoder.ensure_head()
-        prompt = self.prompts.chat([(f.id, self.prompts.fact_tokens(f.text)) for f in facts], messages)
-        if len(prompt.token_ids) + max_tokens > self.config.engine.max_model_len:
-            raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
-                                    f"exceeds the model's {self.config.engine.max_model_len}")
-        plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
-        (r,) = engine.run([EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs)])
+    def _finish(self, r, facts, mode: str, user_id: str, retrieval_s: float) -> ChatResult:
         c = r.connector
         reasons = c.get("fallbacks", {})
         self.stats[f"chat_{mode}"] += 1

@@ -152,3 +152,36 @@ def test_ten_threads_adding_fifty_facts_each_lose_nothing(mem):
     assert len(records) == 500 and mem.index.count("threads") == 500
     assert sum(mem.kv.exists(r.id) for r in records) == 500
     assert all(r.kv_status == "encoded" for r in records)
+
+
+def test_streaming_yields_the_same_answer_as_chat(mem):
+    mem.add(facts=["My favourite colour is teal."], user_id="stream")
+    q = "What is my favourite colour?"
+    whole = mem.chat(q, user_id="stream", mode="kv", max_tokens=16)
+    items = list(mem.chat_stream(q, user_id="stream", mode="kv", max_tokens=16))
+    deltas, final = items[:-1], items[-1]
+    assert all(isinstance(d, str) for d in deltas) and len(deltas) >= 2
+    assert "".join(deltas).strip() == final.answer == whole.answer
+    assert final.fact_ids == whole.fact_ids
+
+
+def test_concurrent_chats_from_many_threads_all_answer(mem):
+    mem.add(facts=[f"Guest {i} sits at table {i}." for i in range(8)], user_id="party")
+    results, errors = [None] * 12, []
+
+    def ask(i):
+        try:
+            results[i] = mem.chat(f"Where does guest {i % 8} sit?", user_id="party", k=3,
+                                  mode="kv" if i % 2 else "text", max_tokens=8)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and all(r is not None and r.answer for r in results)
+    # KV mode: memory came from blobs, or from this user's earlier KV-mode blocks in vLLM's cache.
+    assert all(r.injected_tokens + r.cached_tokens > 0 and r.fallbacks == 0 for r in results[1::2])
+    assert all(r.injected_tokens == 0 for r in results[::2])

@@ -1,0 +1,63 @@
+"""The ASGI app: routes, error handlers, middleware, and the engine's lifecycle (lifespan)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from kvmem.config import Config
+from kvmem.server import errors, routes_chat, routes_memory, routes_ops
+from kvmem.server.metrics import Metrics
+from kvmem.server.middleware import BodyLimit, RequestContext
+from kvmem.server.runtime import Runtime
+from kvmem.server.settings import ServerSettings
+from kvmem.server.tenants import KeyRing
+
+log = logging.getLogger("kvmem.server")
+ALIAS = "kvmem"  # always names the served model, whatever it is
+
+
+def served_names(settings: ServerSettings, config: Config) -> list[str]:
+    from kvmem.model.gguf import BUNDLED_NAME
+
+    name = settings.served_model_name or config.engine.model or BUNDLED_NAME
+    return [name] if name == ALIAS else [name, ALIAS]
+
+
+def create_app(settings: ServerSettings | None = None, config: Config | None = None,
+               mem_factory: Callable[[], object] | None = None,
+               on_engine_failure: Callable[[], None] | None = None) -> FastAPI:
+    """mem_factory builds the KVMem (default: the real engine with its background encoder)."""
+    settings = settings or ServerSettings()
+    config = config or Config.from_env()
+    if mem_factory is None:
+        def mem_factory():
+            from kvmem.service import KVMem
+
+            return KVMem(config, background=True)
+
+    runtime = Runtime(mem_factory, settings.max_inflight, on_engine_failure)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        runtime.start()
+        yield
+        await run_in_threadpool(runtime.close, settings.graceful_timeout_s)
+
+    app = FastAPI(title="kvmem", summary="OpenAI-compatible chat with memory; Mem0-shaped memory API",
+                  lifespan=lifespan)
+    app.state.settings = settings
+    app.state.runtime = runtime
+    app.state.keys = KeyRing(settings.api_keys)
+    app.state.metrics = Metrics(runtime)
+    app.state.model_names = served_names(settings, config)
+    errors.install(app)
+    for module in (routes_chat, routes_memory, routes_ops):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestContext)  # added last: outermost, so it also tags 413s
+    return app

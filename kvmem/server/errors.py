@@ -1,0 +1,100 @@
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the right status.
+
+Bad input is never a 500: pydantic's validation errors and kvmem's InvalidInputError become
+400/413/422, unknown (or another tenant's) ids 404. Anything unexpected becomes a 500 that
+carries the request id, which is also in the log (see middleware.py).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
+
+INVALID = "invalid_request_error"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = INVALID, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None, extra: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+    def body(self) -> dict:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": {**error, **self.extra}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def not_found(what: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"{what} not found", param=param, code="not_found")
+
+
+def from_invalid_input(e: InvalidInputError, param: str | None = None) -> ApiError:
+    """kvmem's InvalidInputError: 413 for an oversize fact, 422 for a context that cannot fit, else 400."""
+    text = str(e)
+    if "limit is" in text or "too long" in text:
+        return ApiError(413, text, param=param, code="fact_too_large")
+    if "exceeds the model" in text or "do not fit" in text:
+        return ApiError(422, text, param=param, code="context_length_exceeded")
+    return ApiError(400, text, param=param or _guess_param(text), code="invalid_value")
+
+
+def _guess_param(text: str) -> str | None:
+    for name in ("messages", "message", "user_id", "agent_id", "run_id", "metadata", "filters", "query", "mode",
+                 "context", "window", "limit", "offset", "facts", "fact"):
+        if text.startswith(name) or f" {name}" in text:
+            return {"message": "messages", "fact": "facts"}.get(name, name)
+    return None
+
+
+def validation_param(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    param = validation_param(tuple(first.get("loc", ())))
+    message = f"{param}: {first['msg']}" if param else str(first["msg"])
+    return ApiError(400, message, param=param, code="invalid_value").response()
+
+
+async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return ApiError(exc.status_code, str(exc.detail), code=kind, headers=getattr(exc, "headers", None)).response()
+
+
+async def _on_unknown_fact(request: Request, exc: UnknownFactError) -> JSONResponse:
+    return not_found("memory").response()  # the id is not echoed: it may be another tenant's
+
+
+async def _on_invalid(request: Request, exc: InvalidInputError) -> JSONResponse:
+    return from_invalid_input(exc).response()
+
+
+async def _on_engine(request: Request, exc: EngineError) -> JSONResponse:
+    return ApiError(503, f"the engine is unavailable: {exc}", type="server_error", code="engine_unavailable").response()
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(UnknownFactError, _on_unknown_fact)
+    app.add_exception_handler(InvalidInputError, _on_invalid)
+    app.add_exception_handler(EngineError, _on_engine)

@@ -1,0 +1,57 @@
+"""Prometheus metrics: chat TTFT per mode, injected tokens, fallbacks, rejections, and store gauges.
+
+Counters and the histogram are updated per request; the store gauges (encode queue depth, KV
+store bytes, facts) are read from KVMem when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, runtime) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("kvmem_chat_ttft_seconds", "Time to first token of chat completions",
+                              ["mode"], buckets=_TTFT_BUCKETS, registry=r)
+        self.chats = Counter("kvmem_chat_requests", "Chat completions answered", ["mode", "stream"], registry=r)
+        self.injected = Counter("kvmem_injected_tokens", "Prompt tokens injected from stored fact KV", registry=r)
+        self.fallbacks = Counter("kvmem_fallbacks", "Facts served as text because their KV was unusable", registry=r)
+        self.rejected = Counter("kvmem_rejected_requests", "Requests refused without being served", ["reason"],
+                                registry=r)
+        Gauge("kvmem_inflight_chats", "Chat requests being answered", registry=r).set_function(
+            lambda: runtime.gate.count)
+        Gauge("kvmem_engine_ready", "1 once the engine has loaded", registry=r).set_function(
+            lambda: float(runtime.mem is not None))
+        r.register(_StoreCollector(runtime))
+
+    def observe_chat(self, result, stream: bool) -> None:
+        self.ttft.labels(result.mode).observe(result.ttft_s)
+        self.chats.labels(result.mode, str(stream).lower()).inc()
+        self.injected.inc(result.injected_tokens)
+        self.fallbacks.inc(result.fallbacks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector:
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+
+    def describe(self):
+        return []  # computed at scrape time; nothing to check at registration
+
+    def collect(self):
+        mem = self.runtime.mem
+        if mem is None:
+            return
+        encoder = getattr(mem, "encoder", None)
+        yield GaugeMetricFamily("kvmem_encode_queue_depth", "Facts waiting for their KV to be encoded",
+                                value=encoder.queue_depth() if encoder else 0)
+        yield GaugeMetricFamily("kvmem_kv_store_bytes", "Bytes of KV blobs on disk", value=mem.kv.total_bytes())
+        yield GaugeMetricFamily("kvmem_facts", "Facts stored (all tenants)", value=mem.facts.count())

@@ -1,0 +1,59 @@
+"""POST /v1/chat/completions (OpenAI's schema, streaming or not, with memory) and GET /v1/models."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+from fastapi import APIRouter, Depends, Request
+
+from kvmem.server.chat_format import chat_kwargs, completion, kvmem_messages, new_meta
+from kvmem.server.errors import ApiError
+from kvmem.server.schemas import ChatRequest
+from kvmem.server.streaming import open_stream
+from kvmem.server.tenants import Tenant, current_tenant
+
+router = APIRouter()
+_STARTED = int(time.time())
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+    names = request.app.state.model_names
+    return {"object": "list",
+            "data": [{"id": n, "object": "model", "created": _STARTED, "owned_by": "kvmem"} for n in names]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request, tenant: Tenant = Depends(current_tenant)):
+    state = request.app.state
+    rt = state.runtime
+    mem = rt.require()
+    if body.model not in state.model_names:
+        raise ApiError(404, f"the model {body.model!r} does not exist; see GET /v1/models", param="model",
+                       code="model_not_found")
+    kwargs = chat_kwargs(body, tenant, state.settings.default_max_tokens)
+    messages = kvmem_messages(body.messages)
+    _enter(rt, state.metrics)
+    meta = new_meta(body.model)
+    if body.stream:
+        async def release() -> None:
+            rt.gate.leave()
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await open_stream(rt, mem, messages, kwargs, meta=meta, include_usage=include_usage,
+                                 on_result=lambda r: state.metrics.observe_chat(r, True),
+                                 request_id=request.state.request_id, release=release)
+    try:
+        result = await rt.call(partial(mem.chat, messages, **kwargs))
+    finally:
+        rt.gate.leave()
+    state.metrics.observe_chat(result, False)
+    return completion(meta, result, kwargs["max_tokens"])
+
+
+def _enter(rt, metrics) -> None:
+    if not rt.gate.enter():
+        metrics.rejected.labels("queue_full").inc()
+        raise ApiError(429, f"too many chat requests in flight (limit {rt.gate.limit}); retry shortly",
+                       type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})

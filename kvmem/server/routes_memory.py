@@ -1,0 +1,136 @@
+"""The Mem0-shaped memory API under /v1/memories, every scope namespaced by the caller's tenant.
+
+A fact id that is unknown or belongs to another tenant answers 404, the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from kvmem.errors import UnknownFactError
+from kvmem.server import views
+from kvmem.server.errors import ApiError, not_found
+from kvmem.server.schemas import AddMemories, SearchMemories, UpdateMemory
+from kvmem.server.tenants import Tenant, current_tenant
+
+router = APIRouter(prefix="/v1/memories")
+
+
+def _runtime(request: Request):
+    rt = request.app.state.runtime
+    return rt, rt.require()
+
+
+def _records(mem, ids) -> list:
+    out = []
+    for fact_id in ids:
+        try:
+            out.append(mem.get(fact_id))
+        except UnknownFactError:  # deleted meanwhile
+            pass
+    return out
+
+
+async def _owned(rt, mem, tenant: Tenant, fact_id: str):
+    record = await rt.call(mem.get, fact_id)
+    if not tenant.owns(record.user_id):
+        raise not_found("memory")
+    return record
+
+
+@router.post("")
+@router.post("/", include_in_schema=False)
+async def add_memories(body: AddMemories, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+    """Store facts now (searchable at once); their KV is encoded in the background unless encode='sync'."""
+    rt, mem = _runtime(request)
+    if (body.messages is None) == (body.facts is None):
+        raise ApiError(400, "give either messages or facts", param="messages", code="invalid_value")
+    messages = body.messages
+    if isinstance(messages, list):
+        messages = [m.model_dump(exclude_none=True) for m in messages]
+    started = time.time()
+    add = partial(mem.add, messages, facts=body.facts, user_id=tenant.user_id(body.user_id),
+                  agent_id=body.agent_id, run_id=body.run_id, metadata=body.metadata, window=body.window,
+                  encode=body.encode)
+    result = await rt.call(add)
+    records, seen, results = await rt.call(_records, mem, result.ids), set(), []
+    for r in records:
+        event = "ADD" if r.id not in seen and r.created_at >= started else "NOOP"
+        seen.add(r.id)
+        results.append(views.memory(r, tenant, event=event))
+    return {"results": results, "created": result.created, "duplicates": result.duplicates}
+
+
+@router.get("")
+@router.get("/", include_in_schema=False)
+async def list_memories(request: Request, user_id: str, agent_id: str | None = None, run_id: str | None = None,
+                        limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0),
+                        tenant: Tenant = Depends(current_tenant)) -> dict:
+    rt, mem = _runtime(request)
+    scope = {"user_id": tenant.user_id(user_id), "agent_id": agent_id, "run_id": run_id}
+    records = await rt.call(partial(mem.get_all, **scope, limit=limit, offset=offset))
+    total = await rt.call(partial(mem.facts.count, **scope))
+    return {"results": [views.memory(r, tenant) for r in records], "total": total, "limit": limit, "offset": offset}
+
+
+@router.delete("")
+@router.delete("/", include_in_schema=False)
+async def delete_scope(request: Request, user_id: str, agent_id: str | None = None, run_id: str | None = None,
+                       tenant: Tenant = Depends(current_tenant)) -> dict:
+    rt, mem = _runtime(request)
+    n = await rt.call(partial(mem.delete_all, user_id=tenant.user_id(user_id), agent_id=agent_id, run_id=run_id))
+    return {"deleted": n, "message": f"{n} memories deleted"}
+
+
+@router.post("/search")
+async def search_memories(body: SearchMemories, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+    rt, mem = _runtime(request)
+    hits = await rt.call(partial(mem.search, body.query, user_id=tenant.user_id(body.user_id), agent_id=body.agent_id,
+                                 run_id=body.run_id, k=body.limit, filters=body.filters))
+    scores = {h.id: h.score for h in hits}
+    records = await rt.call(_records, mem, [h.id for h in hits])
+    return {"results": [views.memory(r, tenant, score=scores[r.id]) for r in records]}
+
+
+@router.get("/{memory_id}")
+async def get_memory(memory_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+    rt, mem = _runtime(request)
+    return views.memory(await _owned(rt, mem, tenant, memory_id), tenant)
+
+
+@router.put("/{memory_id}")
+async def update_memory(memory_id: str, body: UpdateMemory, request: Request,
+                        tenant: Tenant = Depends(current_tenant)) -> dict:
+    """New text is re-embedded and re-encoded; the old KV is dropped at once."""
+    rt, mem = _runtime(request)
+    await _owned(rt, mem, tenant, memory_id)
+    return views.memory(await rt.call(partial(mem.update, memory_id, body.text, metadata=body.metadata)), tenant)
+
+
+@router.delete("/{memory_id}")
+async def delete_memory(memory_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+    rt, mem = _runtime(request)
+    await _owned(rt, mem, tenant, memory_id)
+    await rt.call(mem.delete, memory_id)
+    return {"id": memory_id, "deleted": True, "message": "memory deleted"}
+
+
+@router.get("/{memory_id}/history")
+async def memory_history(memory_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+    rt, mem = _runtime(request)
+    events = await rt.call(mem.history, memory_id)
+    owner = await rt.call(_owner, mem, memory_id, events)
+    if owner is None or not tenant.owns(owner):
+        raise not_found("memory")
+    return {"results": [views.history_event(e) for e in events]}
+
+
+def _owner(mem, fact_id: str, events) -> str | None:
+    """The fact's user id; for a deleted fact, only if its history events carry it."""
+    try:
+        return mem.get(fact_id).user_id
+    except UnknownFactError:
+        return next((e.user_id for e in events if getattr(e, "user_id", None)), None)

@@ -1,0 +1,100 @@
+"""Request bodies, validated at the HTTP edge (pydantic lives here only).
+
+Chat requests follow OpenAI's schema and ignore fields they do not use (clients send many);
+memory requests forbid unknown fields, so a typo is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+Mode = Literal["kv", "text", "off"]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- chat -----------------------------------------------------------------------------------------
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class MemoryOptions(_Strict):
+    """The extra `memory` object of a chat request: whose facts, how many, how they reach the model."""
+
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+    k: int = Field(5, ge=1, le=100)
+    mode: Mode = "kv"
+    filters: dict[str, Any] | None = None
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ChatRequest(_Open):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=1)  # one choice per request
+    user: str | None = None
+    memory: MemoryOptions | None = None
+    stop: str | list[str] | None = None
+    tools: list[Any] | None = None
+
+
+# -- memories -------------------------------------------------------------------------------------
+
+
+class _Scope(_Strict):
+    user_id: str
+    agent_id: str | None = None
+    run_id: str | None = None
+
+
+class MemoryMessage(_Strict):
+    role: Literal["user", "assistant", "system"]
+    content: str
+    name: str | None = None
+    timestamp: str | None = None
+
+
+class AddMemories(_Scope):
+    """A conversation (`messages`: one fact per turn, or one string) or a list of `facts`."""
+
+    messages: str | list[MemoryMessage] | None = None
+    facts: list[str] | None = Field(None, min_length=1)
+    metadata: dict[str, Any] | None = None
+    window: int | None = Field(None, ge=0, le=64)
+    encode: Literal["background", "sync"] = "background"
+
+
+class SearchMemories(_Scope):
+    query: str
+    limit: int = Field(10, ge=1, le=100, validation_alias=AliasChoices("limit", "k"))
+    filters: dict[str, Any] | None = None
+
+
+class UpdateMemory(_Strict):
+    text: str = Field(validation_alias=AliasChoices("text", "memory"))
+    metadata: dict[str, Any] | None = None

@@ -1,0 +1,98 @@
+"""Server-sent events for `stream: true`: a role chunk, text deltas, a final chunk, usage, [DONE].
+
+Uses `KVMem.chat_stream` (text deltas, then the ChatResult) when the KVMem has it, else one
+delta with the whole answer. The first item is awaited before the response starts, so a bad
+request still gets its proper status; an error after that is sent as an SSE `error` event.
+The chat slot taken from the gate is released when the response ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from starlette.responses import StreamingResponse
+
+from kvmem.errors import InvalidInputError
+from kvmem.server.chat_format import chunk, finish_reason, memory_info, sse, usage
+from kvmem.server.errors import ApiError, from_invalid_input
+
+log = logging.getLogger("kvmem.server")
+_END = object()
+
+
+def _whole(mem, messages: list[dict], kwargs: dict) -> Iterator:
+    result = mem.chat(messages, **kwargs)
+    yield result.answer
+    yield result
+
+
+def _items(mem, messages: list[dict], kwargs: dict) -> Iterator:
+    if hasattr(mem, "chat_stream"):
+        return iter(mem.chat_stream(messages, **kwargs))
+    return _whole(mem, messages, kwargs)
+
+
+class _SlotStream(StreamingResponse):
+    def __init__(self, content, release: Callable) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
+
+
+async def open_stream(rt, mem, messages, kwargs, *, meta, include_usage, on_result, request_id, release):
+    """The StreamingResponse; `release` (async) runs exactly once, when it is over (or failed to start)."""
+    items = None
+    try:
+        items = await rt.call(_items, mem, messages, kwargs)
+        first = await rt.call(next, items, _END)
+    except BaseException:
+        await _close(rt, items)
+        await release()
+        raise
+
+    async def done() -> None:
+        await _close(rt, items)
+        await release()
+
+    events = _events(rt, items, first, meta, include_usage, on_result, request_id, kwargs["max_tokens"])
+    return _SlotStream(events, done)
+
+
+async def _events(rt, items, item, meta, include_usage, on_result, request_id, max_tokens):
+    yield sse(chunk(meta, {"role": "assistant", "content": ""}))
+    try:
+        while isinstance(item, str):
+            if item:
+                yield sse(chunk(meta, {"content": item}))
+            item = await rt.call(next, items, _END)
+        if item is _END:
+            raise RuntimeError("the chat stream ended without its result")
+    except InvalidInputError as e:
+        yield sse(from_invalid_input(e).body())
+        return
+    except Exception:  # noqa: BLE001 - the status is sent; report in-band, with the request id
+        log.exception("request %s failed while streaming", request_id)
+        yield sse(ApiError(500, f"internal error; request id {request_id} (it is in the server log)",
+                           type="server_error", code="internal_error", extra={"request_id": request_id}).body())
+        return
+    on_result(item)
+    yield sse(chunk(meta, {}, finish_reason(item, max_tokens), memory=memory_info(item)))
+    if include_usage:
+        yield sse(chunk(meta, None, usage=usage(item)))
+    yield sse("[DONE]")
+
+
+async def _close(rt, items) -> None:
+    close = getattr(items, "close", None)
+    if close is not None:
+        try:
+            await rt.call(close)
+        except Exception:  # noqa: BLE001 - e.g. "generator already executing": nothing left to stop
+            log.debug("closing a chat stream failed", exc_info=True)

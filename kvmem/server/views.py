@@ -1,0 +1,33 @@
+"""What the memory API returns for a fact and a history event (Mem0's field names, plus kv_status)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from kvmem.server.tenants import Tenant
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat()
+
+
+def memory(record, tenant: Tenant, **extra) -> dict:
+    return {
+        "id": record.id,
+        "memory": record.text,
+        "user_id": tenant.local(record.user_id),
+        "agent_id": record.agent_id,
+        "run_id": record.run_id,
+        "metadata": record.metadata,
+        "created_at": iso(record.created_at),
+        "updated_at": iso(record.updated_at),
+        "kv_status": record.kv_status,  # pending | encoded | failed: served as text until encoded
+        "source": record.source,
+        "event_time": record.event_time,
+        **extra,
+    }
+
+
+def history_event(event) -> dict:
+    return {"memory_id": event.fact_id, "event": event.event, "old_memory": event.old_text,
+            "new_memory": event.new_text, "created_at": iso(event.at)}
