@@ -364,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Store a 12-turn conversation for a demo user, then ask three questions "
                                    "in text and KV mode with k=4 retrieved facts, timing both.")
     p.set_defaults(func=cmd_demo)
+
+    from kvmem.bench import cli as bench_cli
+
+    bench_cli.add_parsers(sub)
     return parser
 
 

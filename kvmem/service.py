@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Iterator
 
 from kvmem.config import Config
@@ -236,6 +237,18 @@ class KVMem:
                                                     mode, max_tokens, logprobs)
         for item in self._need_engine().stream(request):
             yield item if isinstance(item, str) else self._finish(item, facts, mode, user_id, retrieval_s)
+
+    def score(self, messages: str | list[dict], answer: str, *, user_id: str, fact_ids: list[str],
+              mode: str = "kv") -> list[float]:
+        """Teacher forcing: the logprob of each token of `answer` as the reply, with these facts."""
+        if not isinstance(answer, str) or not answer.strip():
+            raise InvalidInputError("answer must be a non-empty string")
+        facts, request, _ = self._prepare(messages, user_id, None, None, 1, None, fact_ids, mode, 1, None)
+        answer_ids = tuple(self.prompts.context_tokens(answer.strip()))
+        scored = replace(request, token_ids=request.token_ids + answer_ids, score_last=len(answer_ids))
+        (result,) = self._need_engine().run([scored])
+        self._finish(result, facts, mode, user_id, 0.0)
+        return list(result.scored)
 
     def _prepare(self, messages, user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs):
         from kvmem.engine.llm import EngineRequest

@@ -17,6 +17,7 @@ class Observation:
     speaker: str
     session: int
     date: str
+    dia_ids: tuple[str, ...] = ()
 
 
 def load(path: Path | str = DEFAULT_PATH) -> list[dict]:
@@ -32,8 +33,26 @@ def observations(conversation: dict) -> list[Observation]:
     for key, per_speaker in sorted(conversation["observation"].items(), key=lambda kv: _session(kv[0])):
         n = _session(key)
         for speaker, items in per_speaker.items():
-            out += [Observation(text, speaker, n, conv.get(f"session_{n}_date_time", "")) for text, _ in items]
+            out += [Observation(text, speaker, n, conv.get(f"session_{n}_date_time", ""), _dia_ids(src))
+                    for text, src in items]
     return out
+
+
+def sessions(conversation: dict) -> list[tuple[int, list[dict], str]]:
+    """(session number, turns, date) in order; only `session_<N>` keys that hold turns."""
+    conv = conversation["conversation"]
+    keys = [k for k in conv if k.startswith("session_") and k.split("_")[1].isdigit() and isinstance(conv[k], list)]
+    return [(_session(k), conv[k], conv.get(f"{k}_date_time", "")) for k in sorted(keys, key=_session)]
+
+
+def turn_text(turn: dict) -> str:
+    caption = f" [shares {turn['blip_caption']}]" if turn.get("blip_caption") else ""
+    return f"{turn['text']}{caption}".strip() or caption.strip()
+
+
+def _dia_ids(src) -> tuple[str, ...]:
+    items = src if isinstance(src, list) else [src]
+    return tuple(i.strip() for s in items for i in str(s).replace(";", ",").split(",") if i.strip())
 
 
 def questions(conversation: dict, categories=(1, 2, 3, 4)) -> list[dict]:

@@ -85,6 +85,3 @@ def _logging(verbose: bool) -> None:
         logging.getLogger("kvmem").setLevel(logging.INFO)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is imported
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars
-    # The engine process must not inherit the listening socket (as "fork" would): if the server
-    # died, an orphaned engine would keep the port.
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

@@ -9,6 +9,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from kvmem.errors import InvalidInputError
+from kvmem.facts.store import MAX_LIMIT
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -50,8 +53,17 @@ class _StoreCollector:
         mem = self.runtime.mem
         if mem is None:
             return
-        encoder = getattr(mem, "encoder", None)
         yield GaugeMetricFamily("kvmem_encode_queue_depth", "Facts waiting for their KV to be encoded",
-                                value=encoder.queue_depth() if encoder else 0)
+                                value=queue_depth(mem))
         yield GaugeMetricFamily("kvmem_kv_store_bytes", "Bytes of KV blobs on disk", value=mem.kv.total_bytes())
         yield GaugeMetricFamily("kvmem_facts", "Facts stored (all tenants)", value=mem.facts.count())
+
+
+def queue_depth(mem) -> int:
+    encoder = getattr(mem, "encoder", None)
+    if encoder is None:
+        return 0
+    try:
+        return encoder.queue_depth()
+    except InvalidInputError:  # Encoder.queue_depth asks the store for more rows than it allows
+        return len(mem.facts.pending(limit=MAX_LIMIT, max_attempts=encoder.max_attempts))

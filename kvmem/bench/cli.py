@@ -1,0 +1,93 @@
+"""`kvmem bench ttft|load` and `kvmem eval locomo`: argument parsing and report writing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvmem.bench import locomo
+
+RESULTS = Path("docs/results")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("bench", help="measure TTFT and throughput, KV injection vs text prefill")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    t = bench.add_parser("ttft", help="TTFT vs number of injected facts k")
+    t.add_argument("--ks", type=_ints, default=(0, 5, 10, 25, 50, 100), help="comma-separated k values")
+    t.add_argument("--reps", type=int, default=7, help="repetitions per k and mode (default: 7)")
+    _common(t, "ttft")
+    t.set_defaults(func=cmd_ttft)
+    ld = bench.add_parser("load", help="throughput with concurrent users, k facts each")
+    ld.add_argument("--users", type=_ints, default=(1, 4, 16, 32), help="comma-separated concurrency levels")
+    ld.add_argument("-k", type=int, default=50)
+    ld.add_argument("--requests", type=int, default=4, help="requests per user per level and mode (default: 4)")
+    ld.add_argument("--max-tokens", type=int, default=16)
+    _common(ld, "load")
+    ld.set_defaults(func=cmd_load)
+
+    e = sub.add_parser("eval", help="answer-quality evaluations")
+    ev = e.add_subparsers(dest="eval", required=True, metavar="EVAL")
+    lc = ev.add_parser("locomo", help="LoCoMo QA: F1, gold-answer log-likelihood, agreement, recall; 3 modes")
+    lc.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
+                    help="comma-separated sample ids (default: all)")
+    lc.add_argument("-k", "--k", type=int, default=10)
+    lc.add_argument("--memory", choices=("observations", "turns"), default="observations")
+    lc.add_argument("--window", type=int, default=2, help="CWE window with --memory turns (default: 2)")
+    lc.add_argument("--limit", type=int, default=None, help="questions per conversation")
+    lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")
+    _common(lc, "locomo")
+    lc.set_defaults(func=cmd_locomo)
+
+
+def _common(p, name: str) -> None:
+    p.add_argument("--data", type=Path, default=locomo.DEFAULT_PATH, help="LoCoMo JSON (read by path, never copied)")
+    p.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _open(config):
+    from kvmem.service import KVMem
+
+    return KVMem(config, background=False)
+
+
+def cmd_ttft(args, config) -> int:
+    from kvmem.bench import ttft
+
+    with _open(config) as mem:
+        result = ttft.run(mem, data=args.data, ks=args.ks, reps=args.reps, seed=args.seed)
+    print(ttft.report(result, (args.out or RESULTS) / "ttft"))
+    return 0
+
+
+def cmd_load(args, config) -> int:
+    from kvmem.bench import load
+
+    with _open(config) as mem:
+        result = load.run(mem, data=args.data, levels=args.users, k=args.k, requests=args.requests,
+                          max_tokens=args.max_tokens, seed=args.seed)
+    print(load.report(result, (args.out or RESULTS) / "load"))
+    return 0
+
+
+def cmd_locomo(args, config) -> int:
+    from kvmem.bench import eval_locomo, eval_report
+
+    cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit,
+                                 workers=args.workers)
+    out = args.out or RESULTS
+    with _open(config) as mem:
+        rows = eval_locomo.run(mem, cfg, out)
+    summary = eval_report.summarize(rows)
+    (out / f"{cfg.name}.json").write_text(json.dumps({"config": {**cfg.__dict__, "data": str(cfg.data)},
+                                                       "summary": summary}, indent=2))
+    table = eval_report.markdown(summary, cfg.name)
+    (out / f"{cfg.name}.md").write_text(table + "\n")
+    print(table)
+    return 0

@@ -1,0 +1,104 @@
+"""`kvmem eval locomo`: answer quality of KV injection vs text prefill vs no memory, on LoCoMo.
+
+Per question (categories 1-4) the top-k facts are retrieved once and used, in stored order, by
+all three modes; each mode answers greedily and scores the gold answer by teacher forcing.
+Results are appended per question to a JSONL file, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvmem.bench import locomo
+from kvmem.bench.metrics import locomo_f1, top20_kl
+
+MODES = ("text", "kv", "off")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    data: Path
+    conversations: tuple[str, ...] = ()  # sample ids; empty = all
+    k: int = 10
+    memory: str = "observations"  # or "turns"
+    window: int = 2
+    limit: int | None = None  # questions per conversation
+    max_tokens: int = 32
+    workers: int = 4
+
+    @property
+    def name(self) -> str:
+        w = f"-w{self.window}" if self.memory == "turns" else ""
+        return f"locomo-{self.memory}{w}-k{self.k}" + (f"-limit{self.limit}" if self.limit else "")
+
+
+def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
+    """Store the conversation's memory under its own user; returns that user id."""
+    user = f"locomo-{conv['sample_id']}-{cfg.memory}" + (f"-w{cfg.window}" if cfg.memory == "turns" else "")
+    if mem.get_all(user_id=user, limit=1):
+        return user  # built by an earlier (possibly interrupted) run
+    if cfg.memory == "observations":
+        for o in locomo.observations(conv):
+            mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)}, encode="none")
+    else:
+        for n, turns, date in locomo.sessions(conv):
+            messages = [{"role": "user" if t["speaker"] == conv["conversation"]["speaker_a"] else "assistant",
+                         "name": t["speaker"], "content": locomo.turn_text(t), "timestamp": date} for t in turns]
+            mem.add(messages, user_id=user, metadata={"session": n}, window=cfg.window, encode="none")
+    pending = mem.get_all(user_id=user, limit=10_000)
+    mem.encoder.encode(pending, progress=True)
+    return user
+
+
+def dia_ids_of(record) -> set[str]:
+    if "dia_ids" in record.metadata:
+        return set(record.metadata["dia_ids"])
+    return {f"D{record.metadata['session']}:{record.position + 1}"}
+
+
+def answer_question(mem, user: str, q: dict, cfg: EvalConfig) -> dict:
+    hits = mem.search(q["question"], user_id=user, k=cfg.k)
+    records = sorted((mem.get(h.id) for h in hits), key=lambda r: (r.created_at, r.position or 0, r.id))
+    ids = [r.id for r in records]
+    found = set().union(*(dia_ids_of(r) for r in records)) if records else set()
+    evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
+    gold = str(q["answer"])
+    row = {"question": q["question"], "answer": gold, "category": q["category"],
+           "recall": len(evidence & found) / len(evidence) if evidence else None}
+    for mode in MODES:
+        r = mem.chat(q["question"], user_id=user, fact_ids=ids, mode=mode, max_tokens=cfg.max_tokens)
+        lls = mem.score(q["question"], gold, user_id=user, fact_ids=ids, mode=mode)
+        row[mode] = {"answer": r.answer, "f1": locomo_f1(r.answer, gold, q["category"]),
+                     "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s, "first": {str(t): v for t, v in r.first_logprobs.items()}}
+    text_first = {int(t): v for t, v in row["text"]["first"].items()}
+    kv_first = {int(t): v for t, v in row["kv"]["first"].items()}
+    row["top1_agree"] = (max(text_first, key=text_first.get) == max(kv_first, key=kv_first.get)) if text_first and kv_first else None
+    row["kl_text_kv"] = top20_kl(text_first, kv_first)
+    return row
+
+
+def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / f"{cfg.name}.jsonl"
+    done = {json.loads(line)["key"] for line in log_path.open()} if log_path.exists() else set()
+    convs = [c for c in locomo.load(cfg.data) if not cfg.conversations or c["sample_id"] in cfg.conversations]
+    jobs = []
+    for conv in convs:
+        user = build_memory(mem, conv, cfg)
+        qs = locomo.questions(conv)[: cfg.limit]
+        jobs += [(user, conv["sample_id"], i, q) for i, q in enumerate(qs) if f"{conv['sample_id']}#{i}" not in done]
+    with log_path.open("a") as log, ThreadPoolExecutor(cfg.workers) as pool, \
+            tqdm(total=len(jobs), desc=f"eval {cfg.name}", unit="q") as bar:
+        futures = [(sid, i, pool.submit(answer_question, mem, user, q, cfg)) for user, sid, i, q in jobs]
+        for sid, i, fut in futures:
+            row = fut.result()
+            row.update(key=f"{sid}#{i}", conversation=sid)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            bar.update()
+    return [json.loads(line) for line in log_path.open()]

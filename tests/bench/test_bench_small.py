@@ -1,0 +1,47 @@
+"""Tiny configurations of the benchmarks and the evaluation on the real engine: structure and sanity."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from kvmem.bench import eval_locomo, eval_report, load, locomo, ttft
+
+
+def test_ttft_bench_tiny(mem, tmp_path):
+    result = ttft.run(mem, data=locomo.DEFAULT_PATH, ks=(0, 5), reps=2)
+    text = ttft.report(result, tmp_path / "ttft")
+    assert [r["k"] for r in result["rows"]] == [0, 5]
+    for row in result["rows"]:
+        assert row["ratio_median"] > 0 and row["text"]["n"] == row["kv"]["n"] == 2
+        assert row["text"]["median"] <= row["text"]["p90"]
+    assert result["rows"][1]["prompt_tokens"] > result["rows"][0]["prompt_tokens"]
+    assert (tmp_path / "ttft.png").stat().st_size > 0 and json.loads((tmp_path / "ttft.json").read_text())
+    assert "| 5 |" in text
+
+
+def test_load_bench_tiny(mem, tmp_path):
+    result = load.run(mem, data=locomo.DEFAULT_PATH, levels=(1, 2), k=5, requests=1, max_tokens=4)
+    load.report(result, tmp_path / "load")
+    for row in result["rows"]:
+        for mode in ("text", "kv"):
+            assert row[mode]["requests"] == row["users"] and row[mode]["errors"] == []
+            assert row[mode]["requests_per_s"] > 0 and row[mode]["ttft_p50"] <= row[mode]["ttft_p99"]
+        assert row["throughput_ratio"] > 0
+    assert (tmp_path / "load.png").exists()
+
+
+def test_locomo_eval_tiny_is_sane_and_resumes(mem, tmp_path):
+    cfg = eval_locomo.EvalConfig(locomo.DEFAULT_PATH, ("conv-26",), k=3, limit=3, workers=2)
+    rows = eval_locomo.run(mem, cfg, tmp_path)
+    assert len(rows) == 3
+    again = eval_locomo.run(mem, cfg, tmp_path)  # resumes: nothing answered twice
+    assert len(again) == 3
+    summary = eval_report.summarize(rows)
+    overall = summary["overall"]
+    assert overall["n"] == 3
+    recall = overall["recall_at_k"][0]
+    assert math.isnan(recall) or 0.0 <= recall <= 1.0
+    for mode in ("text", "kv", "off"):
+        assert 0.0 <= overall[f"f1_{mode}"][0] <= 1.0 and overall[f"ll_{mode}"][0] < 0
+    assert "overall" in eval_report.markdown(summary, cfg.name)

@@ -1,0 +1,34 @@
+import math
+
+from kvmem.bench.metrics import bootstrap_ci, locomo_f1, ratio_ci, token_f1, top20_kl
+
+
+def test_token_f1_normalises_case_punctuation_and_articles():
+    assert token_f1("The Eiffel Tower!", "eiffel tower") == 1.0
+    assert token_f1("a red car", "blue car") == 0.5
+    assert token_f1("", "anything") == 0.0
+
+
+def test_multi_hop_gold_parts_are_scored_separately():
+    assert locomo_f1("painting, swimming", "swimming, painting", 1) == 1.0
+    assert locomo_f1("painting", "swimming, painting", 1) == 0.5
+
+
+def test_open_domain_gold_uses_the_part_before_a_semicolon():
+    assert locomo_f1("likely yes", "likely yes; because she said so", 3) == 1.0
+
+
+def test_kl_is_zero_for_identical_and_positive_otherwise():
+    a = {1: math.log(0.7), 2: math.log(0.3)}
+    assert top20_kl(a, a) == 0.0
+    assert top20_kl(a, {1: math.log(0.3), 2: math.log(0.7)}) > 0
+
+
+def test_bootstrap_interval_contains_the_mean():
+    mean, lo, hi = bootstrap_ci([0.0, 1.0] * 50)
+    assert lo <= mean <= hi and mean == 0.5 and hi - lo < 0.3
+
+
+def test_ratio_interval_of_a_constant_ratio_is_tight():
+    point, lo, hi = ratio_ci([0.5, 1.0, 1.5], [1.0, 2.0, 3.0])
+    assert point == lo == hi == 0.5
