@@ -199,7 +199,9 @@ def _sampling(req: EngineRequest):
     from vllm.sampling_params import RequestOutputKind
 
     extra = {"kv_transfer_params": req.plan.to_params()} if req.plan else None
-    scoring = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False} if req.score_last else {}
+    # Scoring keeps the prefix cache (and so injection) on. Prompt positions served from cache get
+    # no logprobs: vLLM fills them with placeholder ids that must not be detokenized.
+    scoring = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False, "detokenize": False} if req.score_last else {}
     return SamplingParams(max_tokens=req.max_tokens, temperature=0.0, logprobs=req.logprobs, extra_args=extra,
                           output_kind=RequestOutputKind.CUMULATIVE, **scoring)
 

@@ -1,4 +1,4 @@
-"""Server settings: defaults, then the --config TOML file, then KVMEM_* variables, then flags.
+"""Server settings: flags win over the --config TOML file, which wins over KVMEM_* variables.
 
 The config file is TOML:
 
@@ -75,10 +75,8 @@ def load(path: Path | None, env: Mapping[str, str], flags: Mapping[str, Any]) ->
     unknown = set(data) - {"server", "tenants", *_SECTIONS}
     if unknown:
         raise SettingsError(f"{path}: unknown sections {sorted(unknown)}")
-    server = dict(data.get("server", {}))
-    for name, var in _ENV_INTS.items():
-        if env.get(var):
-            server[name] = _int(var, env[var])
+    server = {name: _int(var, env[var]) for name, var in _ENV_INTS.items() if env.get(var)}
+    server.update(data.get("server", {}))
     server.update({k: v for k, v in flags.items() if v is not None and k not in ("data_dir", "model", "models_home")})
     server["api_keys"] = parse_keys(data.get("tenants", {}), env.get("KVMEM_API_KEYS", ""))
     settings = _build(ServerSettings, server, "[server]")
