@@ -39,7 +39,8 @@ def add_parsers(sub) -> None:
     lc.add_argument("-k", "--k", type=int, default=10)
     lc.add_argument("--memory", choices=("observations", "turns"), default="observations")
     lc.add_argument("--window", type=int, default=2, help="CWE window with --memory turns (default: 2)")
-    lc.add_argument("--limit", type=int, default=None, help="questions per conversation")
+    lc.add_argument("--limit", type=int, default=40,
+                    help="questions per conversation, 0 for all (default: 40: about 10 minutes on 2 CPU cores)")
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")
     _common(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
@@ -79,11 +80,13 @@ def cmd_load(args, config) -> int:
 def cmd_locomo(args, config) -> int:
     from kvmem.bench import eval_locomo, eval_report
 
-    cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit,
+    cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
                                  workers=args.workers)
     out = args.out or RESULTS
+    out.mkdir(parents=True, exist_ok=True)
     with _open(config) as mem:
-        rows = eval_locomo.run(mem, cfg, out)
+        # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
+        rows = eval_locomo.run(mem, cfg, config.home / "eval")
     summary = eval_report.summarize(rows)
     (out / f"{cfg.name}.json").write_text(json.dumps({"config": {**cfg.__dict__, "data": str(cfg.data)},
                                                        "summary": summary}, indent=2))

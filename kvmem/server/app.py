@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
@@ -44,6 +45,8 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # KVMem calls block a thread each: room for every admitted chat, and memory calls besides.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.max_inflight + 32
         runtime.start()
         yield
         await run_in_threadpool(runtime.close, settings.graceful_timeout_s)

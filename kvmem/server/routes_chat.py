@@ -5,27 +5,27 @@ from __future__ import annotations
 import time
 from functools import partial
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from kvmem.server.chat_format import chat_kwargs, completion, kvmem_messages, new_meta
 from kvmem.server.errors import ApiError
 from kvmem.server.schemas import ChatRequest
 from kvmem.server.streaming import open_stream
-from kvmem.server.tenants import Tenant, current_tenant
+from kvmem.server.tenants import CurrentTenant
 
 router = APIRouter()
 _STARTED = int(time.time())
 
 
 @router.get("/v1/models")
-async def list_models(request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+async def list_models(request: Request, tenant: CurrentTenant) -> dict:
     names = request.app.state.model_names
     return {"object": "list",
             "data": [{"id": n, "object": "model", "created": _STARTED, "owned_by": "kvmem"} for n in names]}
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatRequest, request: Request, tenant: Tenant = Depends(current_tenant)):
+async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentTenant):
     state = request.app.state
     rt = state.runtime
     mem = rt.require()

@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 from functools import partial
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 
 from kvmem.errors import UnknownFactError
 from kvmem.server import views
 from kvmem.server.errors import ApiError, not_found
 from kvmem.server.schemas import AddMemories, SearchMemories, UpdateMemory
-from kvmem.server.tenants import Tenant, current_tenant
+from kvmem.server.tenants import CurrentTenant, Tenant
 
 router = APIRouter(prefix="/v1/memories")
 
@@ -43,7 +43,7 @@ async def _owned(rt, mem, tenant: Tenant, fact_id: str):
 
 @router.post("")
 @router.post("/", include_in_schema=False)
-async def add_memories(body: AddMemories, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenant) -> dict:
     """Store facts now (searchable at once); their KV is encoded in the background unless encode='sync'."""
     rt, mem = _runtime(request)
     if (body.messages is None) == (body.facts is None):
@@ -66,9 +66,9 @@ async def add_memories(body: AddMemories, request: Request, tenant: Tenant = Dep
 
 @router.get("")
 @router.get("/", include_in_schema=False)
-async def list_memories(request: Request, user_id: str, agent_id: str | None = None, run_id: str | None = None,
-                        limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0),
-                        tenant: Tenant = Depends(current_tenant)) -> dict:
+async def list_memories(request: Request, tenant: CurrentTenant, user_id: str, agent_id: str | None = None,
+                        run_id: str | None = None, limit: int = Query(100, ge=1, le=1000),
+                        offset: int = Query(0, ge=0)) -> dict:
     rt, mem = _runtime(request)
     scope = {"user_id": tenant.user_id(user_id), "agent_id": agent_id, "run_id": run_id}
     records = await rt.call(partial(mem.get_all, **scope, limit=limit, offset=offset))
@@ -78,15 +78,15 @@ async def list_memories(request: Request, user_id: str, agent_id: str | None = N
 
 @router.delete("")
 @router.delete("/", include_in_schema=False)
-async def delete_scope(request: Request, user_id: str, agent_id: str | None = None, run_id: str | None = None,
-                       tenant: Tenant = Depends(current_tenant)) -> dict:
+async def delete_scope(request: Request, tenant: CurrentTenant, user_id: str, agent_id: str | None = None,
+                       run_id: str | None = None) -> dict:
     rt, mem = _runtime(request)
     n = await rt.call(partial(mem.delete_all, user_id=tenant.user_id(user_id), agent_id=agent_id, run_id=run_id))
     return {"deleted": n, "message": f"{n} memories deleted"}
 
 
 @router.post("/search")
-async def search_memories(body: SearchMemories, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+async def search_memories(body: SearchMemories, request: Request, tenant: CurrentTenant) -> dict:
     rt, mem = _runtime(request)
     hits = await rt.call(partial(mem.search, body.query, user_id=tenant.user_id(body.user_id), agent_id=body.agent_id,
                                  run_id=body.run_id, k=body.limit, filters=body.filters))
@@ -96,14 +96,14 @@ async def search_memories(body: SearchMemories, request: Request, tenant: Tenant
 
 
 @router.get("/{memory_id}")
-async def get_memory(memory_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+async def get_memory(memory_id: str, request: Request, tenant: CurrentTenant) -> dict:
     rt, mem = _runtime(request)
     return views.memory(await _owned(rt, mem, tenant, memory_id), tenant)
 
 
 @router.put("/{memory_id}")
 async def update_memory(memory_id: str, body: UpdateMemory, request: Request,
-                        tenant: Tenant = Depends(current_tenant)) -> dict:
+                        tenant: CurrentTenant) -> dict:
     """New text is re-embedded and re-encoded; the old KV is dropped at once."""
     rt, mem = _runtime(request)
     await _owned(rt, mem, tenant, memory_id)
@@ -111,7 +111,7 @@ async def update_memory(memory_id: str, body: UpdateMemory, request: Request,
 
 
 @router.delete("/{memory_id}")
-async def delete_memory(memory_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+async def delete_memory(memory_id: str, request: Request, tenant: CurrentTenant) -> dict:
     rt, mem = _runtime(request)
     await _owned(rt, mem, tenant, memory_id)
     await rt.call(mem.delete, memory_id)
@@ -119,7 +119,7 @@ async def delete_memory(memory_id: str, request: Request, tenant: Tenant = Depen
 
 
 @router.get("/{memory_id}/history")
-async def memory_history(memory_id: str, request: Request, tenant: Tenant = Depends(current_tenant)) -> dict:
+async def memory_history(memory_id: str, request: Request, tenant: CurrentTenant) -> dict:
     rt, mem = _runtime(request)
     events = await rt.call(mem.history, memory_id)
     owner = await rt.call(_owner, mem, memory_id, events)

@@ -89,7 +89,10 @@ class Runtime:
             self._active -= 1
 
     def close(self, drain_s: float = 30.0, load_wait_s: float = 180.0) -> None:
-        """Let in-flight calls finish (up to drain_s), then stop the encoder (pending facts stay pending) and the engine."""
+        """Let in-flight calls finish (up to drain_s), then stop the encoder and the engine.
+
+        Facts not yet encoded stay pending in the store; the next start encodes them.
+        """
         deadline = time.monotonic() + drain_s
         while self._active and time.monotonic() < deadline:
             time.sleep(0.05)

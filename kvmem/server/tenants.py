@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from kvmem.server.errors import ApiError
 from kvmem.server.settings import SEP
@@ -73,6 +74,9 @@ class KeyRing:
 async def current_tenant(request: Request) -> Tenant:
     """FastAPI dependency: the caller's tenant, or 401."""
     return request.app.state.keys.tenant(request.headers.get("authorization"))
+
+
+CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
 
 
 def _unauthorized(message: str) -> ApiError:
