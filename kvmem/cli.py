@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "in text and KV mode with k=4 retrieved facts, timing both.")
     p.set_defaults(func=cmd_demo)
 
+    sub.add_parser("serve", add_help=False,
+                   help="HTTP server: OpenAI-compatible chat with memory and a Mem0-shaped memory API "
+                        "(kvmem serve --help)")
     from kvmem.bench import cli as bench_cli
 
     bench_cli.add_parsers(sub)
@@ -372,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the server parses its own flags: kvmem serve --help
+        from kvmem.server.cli import serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "forget" and not args.all and not args.ids:

@@ -115,7 +115,7 @@ class Encoder:
         return self._idle.wait(timeout)
 
     def queue_depth(self) -> int:
-        return len(self._due(limit=100_000))
+        return self.facts.count_pending(max_attempts=self.max_attempts)
 
     def stop(self) -> None:
         self._stop.set()

@@ -133,6 +133,7 @@ class HistoryEvent:
     old_text: str | None  # None after the fact is deleted
     new_text: str | None
     at: float
+    user_id: str | None = None  # whose fact it was: lets callers check ownership after a delete
 
 
 _FIELDS = tuple(f.name for f in fields(FactRecord))
@@ -315,7 +316,7 @@ class FactStore:
 
     def history(self, fact_id: str) -> list[HistoryEvent]:
         """Every event of a fact, oldest first, also after it was deleted (texts scrubbed then)."""
-        sql = "SELECT fact_id, event, old_text, new_text, at FROM history WHERE fact_id = ? ORDER BY id"
+        sql = "SELECT fact_id, event, old_text, new_text, at, user_id FROM history WHERE fact_id = ? ORDER BY id"
         with self._lock:
             rows = self._open().execute(sql, (_id(fact_id),)).fetchall()
         if not rows:
@@ -334,6 +335,13 @@ class FactStore:
         with self._lock:
             rows = self._open().execute(sql, params).fetchall()
         return [_record(row) for row in rows]
+
+    def count_pending(self, *, max_attempts: int | None = None) -> int:
+        """How many facts `pending` would return without a limit."""
+        cap = "" if max_attempts is None else " AND kv_attempts < ?"
+        params = () if max_attempts is None else (max_attempts,)
+        with self._lock:
+            return self._open().execute(f"SELECT COUNT(*) FROM facts WHERE kv_status <> 'encoded'{cap}", params).fetchone()[0]
 
     def embeddings(self) -> Iterator[tuple[str, str, np.ndarray, dict[str, Any]]]:
         """(fact_id, scope_key, vector, metadata) of every fact that has an embedding."""

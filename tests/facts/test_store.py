@@ -98,7 +98,7 @@ def test_round_trip_of_every_field(store):
     assert got.embedding.dtype == np.float32
     np.testing.assert_array_equal(got.embedding, vec.astype(np.float32))
     assert got.embedding_dim == 3
-    assert store.history("fact-bob-1") == [HistoryEvent("fact-bob-1", "ADD", None, got.text, got.created_at)]
+    assert store.history("fact-bob-1") == [HistoryEvent("fact-bob-1", "ADD", None, got.text, got.created_at, "bob")]
 
 
 def test_defaults_and_generated_id(store):

@@ -1,0 +1,108 @@
+"""Concurrency, the queue bound, and a SIGKILL during an import.
+
+The crash test restarts the server with queue bound 4 (KVMEM_SERVER_MAX_INFLIGHT, read at
+start), which the 429 test then uses: two engine starts for the whole directory.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server.conftest import DEFAULT_BOUND, assert_error
+from tests.server.serverproc import KEYS
+from tests.server.test_memory import wait_encoded
+
+
+def _chat(url: str, i: int) -> httpx.Response:
+    body = {"model": "kvmem", "user": "load-user", "max_tokens": 24,
+            "messages": [{"role": "user", "content": f"Tell me about the number {i}."}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=300,
+                      headers={"Authorization": f"Bearer {KEYS['alpha']}"})
+
+
+def _burst(url: str, n: int) -> list[httpx.Response]:
+    start = threading.Barrier(n)
+
+    def one(i):
+        start.wait()
+        return _chat(url, i)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_16_concurrent_chats_all_answer(servers):
+    server = servers.get(DEFAULT_BOUND)
+    with server.client() as c:
+        c.post("/v1/memories", json={"user_id": "load-user", "facts": ["I like the number 7."], "encode": "sync"})
+    responses = _burst(server.url, 16)
+    assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses if r.status_code != 200]
+    assert all(r.json()["choices"][0]["message"]["content"] for r in responses)
+
+
+def _import(client, acked: list[str], stop: threading.Event) -> None:
+    for batch in range(20):  # 200 facts, 10 per request
+        facts = [f"Imported fact number {batch * 10 + i}: the code word is w{batch}x{i}." for i in range(10)]
+        try:
+            r = client.post("/v1/memories", json={"user_id": "importer", "facts": facts})
+        except httpx.TransportError:
+            return  # killed mid-request: not acknowledged
+        assert r.status_code == 200, r.text
+        acked.extend(m["id"] for m in r.json()["results"])
+        if stop.is_set():
+            return
+
+
+@pytest.mark.last
+def test_sigkill_during_import_then_restart(servers):
+    server = servers.get()
+    acked: list[str] = []
+    stop = threading.Event()
+    with server.client() as c:
+        t = threading.Thread(target=_import, args=(c, acked, stop))
+        t.start()
+        while len(acked) < 50 and t.is_alive():
+            time.sleep(0.01)
+        servers.crash()  # SIGKILL: server and engine processes, mid-import
+        stop.set()
+        t.join(60)
+    assert 50 <= len(acked) < 200  # killed mid-import
+    restarted = servers.get(bound=4)  # same --data-dir
+    with restarted.client() as c:
+        for fact_id in acked:
+            assert c.get(f"/v1/memories/{fact_id}").status_code == 200
+        facts = wait_encoded(c, "importer", timeout=300)
+    status = {f["id"]: f["kv_status"] for f in facts}
+    assert {status[i] for i in acked} == {"encoded"}
+
+
+@pytest.mark.last
+def test_429_above_the_queue_bound(servers):
+    server = servers.get(bound=4)
+    started = time.monotonic()
+    responses = _burst(server.url, 16)
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 1, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert assert_error(r, 429)["code"] == "rate_limit_exceeded" and r.headers["retry-after"]
+    assert time.monotonic() - started < 240  # answered, not hung
+    assert "kvmem_rejected_requests_total" in httpx.get(server.url + "/metrics").text
+
+
+@pytest.mark.last
+def test_sigterm_lets_inflight_chats_finish(servers):
+    server = servers.get()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(_chat, server.url, i) for i in range(2)]
+        time.sleep(0.5)  # both in flight
+        server.proc.terminate()
+        assert [f.result().status_code for f in futures] == [200, 200]
+    assert server.proc.wait(120) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it is done
+    assert "engine closed" in server.tail() and "Application shutdown complete" in server.tail()
