@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 
 def add_fact(mem, user_id: str, text: str, context: str = "", encode: str = "sync"):
     """Store one fact and return its record."""
@@ -11,3 +13,9 @@ def add_fact(mem, user_id: str, text: str, context: str = "", encode: str = "syn
 
 def tokens(mem, record) -> tuple[int, ...]:
     return mem.prompts.fact_tokens(record.text)
+
+
+def in_threads(fn, n: int) -> list:
+    """fn(0..n-1) on n threads at once; results in order (an exception in any call is raised)."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(fn, range(n)))

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from kvmem.errors import InvalidInputError, UnknownFactError
-from tests.helpers import add_fact, tokens
+from tests.helpers import add_fact, in_threads, tokens
 
 
 def test_encoding_many_facts_writes_one_verified_blob_each(mem):
@@ -134,20 +132,8 @@ def test_delete_all_clears_one_scope(mem):
 
 
 def test_ten_threads_adding_fifty_facts_each_lose_nothing(mem):
-    errors = []
-
-    def worker(t):
-        try:
-            mem.add(facts=[f"Thread {t} fact {i}: item {t * 100 + i} is stored." for i in range(50)], user_id="threads")
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(10)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    in_threads(lambda t: mem.add(facts=[f"Thread {t} fact {i}: item {t * 100 + i} is stored." for i in range(50)],
+                                 user_id="threads"), 10)
     records = mem.get_all(user_id="threads", limit=1000)
     assert len(records) == 500 and mem.index.count("threads") == 500
     assert sum(mem.kv.exists(r.id) for r in records) == 500
@@ -167,21 +153,9 @@ def test_streaming_yields_the_same_answer_as_chat(mem):
 
 def test_concurrent_chats_from_many_threads_all_answer(mem):
     mem.add(facts=[f"Guest {i} sits at table {i}." for i in range(8)], user_id="party")
-    results, errors = [None] * 12, []
-
-    def ask(i):
-        try:
-            results[i] = mem.chat(f"Where does guest {i % 8} sit?", user_id="party", k=3,
-                                  mode="kv" if i % 2 else "text", max_tokens=8)
-        except Exception as e:  # noqa: BLE001 - asserted below
-            errors.append(e)
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and all(r is not None and r.answer for r in results)
+    results = in_threads(lambda i: mem.chat(f"Where does guest {i % 8} sit?", user_id="party", k=3,
+                                            mode="kv" if i % 2 else "text", max_tokens=8), 12)
+    assert all(r.answer for r in results)
     # KV mode: memory came from blobs, or from this user's earlier KV-mode blocks in vLLM's cache.
     assert all(r.injected_tokens + r.cached_tokens > 0 and r.fallbacks == 0 for r in results[1::2])
     assert all(r.injected_tokens == 0 for r in results[::2])
