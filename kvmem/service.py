@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import replace
 from typing import Iterator
@@ -245,7 +246,10 @@ class KVMem:
             raise InvalidInputError("answer must be a non-empty string")
         facts, request, _ = self._prepare(messages, user_id, None, None, 1, None, fact_ids, mode, 1, None)
         answer_ids = tuple(self.prompts.context_tokens(answer.strip()))
-        scored = replace(request, token_ids=request.token_ids + answer_ids, score_last=len(answer_ids))
+        # A salt of its own: a cached block must never cover the answer, whose positions would then
+        # carry no logprobs. Injection does not depend on the salt, so kv mode still injects.
+        scored = replace(request, token_ids=request.token_ids + answer_ids, score_last=len(answer_ids),
+                         salt=f"{request.salt}:score:{uuid.uuid4().hex}")
         (result,) = self._need_engine().run([scored])
         self._finish(result, facts, mode, user_id, 0.0)
         return list(result.scored)

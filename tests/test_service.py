@@ -159,3 +159,20 @@ def test_concurrent_chats_from_many_threads_all_answer(mem):
     # KV mode: memory came from blobs, or from this user's earlier KV-mode blocks in vLLM's cache.
     assert all(r.injected_tokens + r.cached_tokens > 0 and r.fallbacks == 0 for r in results[1::2])
     assert all(r.injected_tokens == 0 for r in results[::2])
+
+
+ANSWER = ("A green Brompton folding bike that I bought second-hand in London in 2019 and ride to work "
+          "every day along the canal, rain or shine, with a small red bag on the front.")  # > 1 block
+
+
+def test_scoring_the_same_answer_twice_gives_the_same_logprobs(mem):
+    # Regression: the second scoring request found the answer's tokens in vLLM's prefix cache,
+    # where prompt logprobs are placeholders, and failed with a KeyError.
+    ids = list(mem.add(facts=["My bike is a green Brompton."], user_id="scorer").ids)
+    for mode in ("text", "kv"):
+        first = mem.score("What bike do I ride?", ANSWER, user_id="scorer", fact_ids=ids, mode=mode)
+        second = mem.score("What bike do I ride?", ANSWER, user_id="scorer", fact_ids=ids, mode=mode)
+        assert len(first) == len(mem.prompts.context_tokens(ANSWER)) and all(lp <= 0 for lp in first)
+        assert second == pytest.approx(first, abs=0.05)
+    off = mem.score("What bike do I ride?", ANSWER, user_id="scorer", fact_ids=ids, mode="off")
+    assert sum(off) < sum(first)  # the fact makes the gold answer more likely

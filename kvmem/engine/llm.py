@@ -154,7 +154,10 @@ class Engine:
                 p.on_text(out.outputs[0].text)
             if out.finished:
                 del live[out.request_id]
-                p.future.set_result(_result(out, p, now))
+                try:
+                    p.future.set_result(_result(out, p, now))
+                except Exception as e:  # noqa: BLE001 - the caller must hear of it, never hang
+                    p.future.set_exception(e)
 
     def close(self) -> None:
         if self._stopping:
@@ -226,6 +229,6 @@ def _scored(out, req: EngineRequest) -> tuple[float, ...]:
     """Logprobs of the last n prompt tokens, each under the tokens before it."""
     ids = out.prompt_token_ids[-req.score_last:]
     entries = (out.prompt_logprobs or [])[-req.score_last:]
-    if len(entries) != len(ids) or any(e is None for e in entries):
-        raise EngineError("prompt logprobs missing for the scored tokens")
+    if len(entries) != len(ids) or any(e is None or t not in e for e, t in zip(entries, ids)):
+        raise EngineError("prompt logprobs missing for the scored tokens (were they served from cache?)")
     return tuple(e[t].logprob for e, t in zip(entries, ids))

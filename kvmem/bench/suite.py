@@ -1,0 +1,58 @@
+"""`python -m kvmem.bench.suite`: every benchmark and evaluation behind docs/benchmarks.md, in one
+process (one engine start instead of one per command). Same code paths as `kvmem bench ...`
+and `kvmem eval locomo ...`; results go to docs/results/.
+
+    python -m kvmem.bench.suite [--home DIR] [--limit N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvmem.bench import eval_locomo, eval_report, load, locomo, ttft
+from kvmem.config import Config, default_home
+
+OUT = Path("docs/results")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvmem.bench.suite", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--home", type=Path, default=Path("/tmp/kvmem-bench-suite"), help="data folder for the run")
+    ap.add_argument("--limit", type=int, default=20, help="LoCoMo questions per conversation (default: 20)")
+    ap.add_argument("--windows", default="0,1,2,4", help="CWE windows to compare on turn memory")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: eval,windows,ttft,load")
+    args = ap.parse_args(argv)
+    skip = set(args.skip.split(","))
+    from kvmem.service import KVMem
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    config = Config(home=args.home, models_home=default_home() / "models")
+    with KVMem(config, background=False) as mem:
+        if "eval" not in skip:
+            _eval(mem, eval_locomo.EvalConfig(locomo.DEFAULT_PATH, k=10, limit=args.limit), config)
+        if "windows" not in skip:
+            for w in (int(x) for x in args.windows.split(",")):
+                _eval(mem, eval_locomo.EvalConfig(locomo.DEFAULT_PATH, ("conv-26",), k=10, memory="turns", window=w,
+                                                  limit=2 * args.limit), config)
+        if "ttft" not in skip:
+            print(ttft.report(ttft.run(mem, data=locomo.DEFAULT_PATH), OUT / "ttft"), flush=True)
+        if "load" not in skip:
+            print(load.report(load.run(mem, data=locomo.DEFAULT_PATH), OUT / "load"), flush=True)
+    return 0
+
+
+def _eval(mem, cfg: eval_locomo.EvalConfig, config: Config) -> None:
+    rows = eval_locomo.run(mem, cfg, config.home / "eval")
+    summary = eval_report.summarize(rows)
+    (OUT / f"{cfg.name}.json").write_text(json.dumps({"config": {**cfg.__dict__, "data": str(cfg.data)},
+                                                       "summary": summary}, indent=2))
+    table = eval_report.markdown(summary, cfg.name)
+    (OUT / f"{cfg.name}.md").write_text(table + "\n")
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
