@@ -1,4 +1,4 @@
-"""Every example in docs/server.md marked `<!-- test -->` runs, in order, against the test server."""
+"""Every example in README.md and docs/server.md marked `<!-- test -->` runs, in order, against the test server."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 
 from tests.server.serverproc import KEYS
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "server.md"
-BLOCKS = re.findall(r"<!-- test -->\n```(bash|python)\n(.*?)```", DOC.read_text(), re.S)
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "server.md"
+BLOCKS = [b for doc in (ROOT / "README.md", DOC)
+          for b in re.findall(r"<!-- test -->\n```(bash|python)\n(.*?)```", doc.read_text(), re.S)]
 DOC_URL = "http://127.0.0.1:8000"
 
 
