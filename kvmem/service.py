@@ -118,9 +118,11 @@ class KVMem:
             turns = turn_facts(messages, self.config.memory.window if window is None else window,
                                self.config.prompt.fact_template)
             items = [{"text": self._checked_text(t.text, t.context), "context": t.context, "source": "messages",
-                      "position": t.position, "event_time": t.timestamp} for t in turns]
+                      "position": t.position, "event_time": _iso_or_none(t.timestamp),
+                      "metadata": {**(metadata or {}), **({"timestamp": t.timestamp} if t.timestamp else {})}}
+                     for t in turns]
         for i in items:
-            i["metadata"] = metadata
+            i.setdefault("metadata", metadata)
         return items
 
     def _checked_text(self, text, context: str) -> str:
@@ -341,6 +343,17 @@ class KVMem:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _iso_or_none(timestamp: str | None) -> str | None:
+    """Message timestamps are free text ("1:56 pm on 8 May, 2023"); only ISO ones become event_time.
+    The text itself stays in the fact and in its metadata."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(timestamp).isoformat() if timestamp else None
+    except ValueError:
+        return None
 
 
 def _index_metadata(record: FactRecord) -> dict:

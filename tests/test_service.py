@@ -176,3 +176,14 @@ def test_scoring_the_same_answer_twice_gives_the_same_logprobs(mem):
         assert second == pytest.approx(first, abs=0.05)
     off = mem.score("What bike do I ride?", ANSWER, user_id="scorer", fact_ids=ids, mode="off")
     assert sum(off) < sum(first)  # the fact makes the gold answer more likely
+
+
+def test_messages_with_free_text_timestamps_are_stored(mem):
+    # Regression: a timestamp such as LoCoMo's "1:56 pm on 8 May, 2023" was passed on as an ISO
+    # event_time and the whole add was refused.
+    r = mem.add([{"role": "user", "content": "I joined a choir.", "timestamp": "1:56 pm on 8 May, 2023"},
+                 {"role": "user", "content": "We sing on Tuesdays.", "timestamp": "2023-05-09T18:00:00"}],
+                user_id="stamps", encode="none")
+    first, second = (mem.get(i) for i in r.ids)
+    assert first.text.startswith("[1:56 pm on 8 May, 2023]") and first.metadata["timestamp"] == "1:56 pm on 8 May, 2023"
+    assert first.event_time is None and second.event_time.startswith("2023-05-09T18:00")
