@@ -86,7 +86,9 @@ def test_add_a_conversation_from_a_file_and_from_stdin(kvmem, tmp_path, monkeypa
     assert [s for _, s, _ in added(out)] == ["duplicate", "duplicate", "duplicate", "new"]
 
     pets = search_json(kvmem, "puppy", "-k", "10", "--filters", '{"topic": "pets"}')
-    assert len(pets) == 3 and all(h["metadata"] == {"topic": "pets"} for h in pets)
+    assert len(pets) == 3 and all(h["metadata"]["topic"] == "pets" for h in pets)
+    stamped = [h for h in pets if h["text"].startswith("[2024-05-01T10:00:00]")]
+    assert [h["metadata"] for h in stamped] == [{"topic": "pets", "timestamp": "2024-05-01T10:00:00"}]
 
 
 def test_search_prints_a_ranked_table_or_json_lines(kvmem):
