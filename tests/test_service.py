@@ -110,17 +110,17 @@ def test_scopes_are_isolated_even_with_identical_text(mem):
 
 def test_delete_forgets_text_vector_and_blob(mem):
     keep = add_fact(mem, "forget", "I have a cat named Pixel.")
-    gone = add_fact(mem, "forget", "My bank PIN is 9931.")
+    gone = add_fact(mem, "forget", "My bank PIN is zulu-wombat-quokka.")
     blob_path = mem.kv.path(gone.id)
     assert blob_path.exists() and mem.index.count("forget") == 2
     mem.delete(gone.id)
     assert not blob_path.exists() and mem.index.count("forget") == 1
-    assert all(h.id != gone.id for h in mem.search("My bank PIN is 9931.", user_id="forget", k=10))
-    r = mem.chat("My bank PIN is 9931.", user_id="forget", k=10, mode="kv", max_tokens=8)
+    assert all(h.id != gone.id for h in mem.search("My bank PIN is zulu-wombat-quokka.", user_id="forget", k=10))
+    r = mem.chat("My bank PIN is zulu-wombat-quokka.", user_id="forget", k=10, mode="kv", max_tokens=8)
     assert gone.id not in r.fact_ids and keep.id in r.fact_ids
     events = mem.history(gone.id)
     assert [e.event for e in events] == ["ADD", "DELETE"] and all(e.old_text is None and e.new_text is None for e in events)
-    assert b"9931" not in (mem.config.home / "facts.sqlite").read_bytes()
+    assert b"zulu-wombat-quokka" not in (mem.config.home / "facts.sqlite").read_bytes()
 
 
 def test_delete_all_clears_one_scope(mem):
