@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from kvmem.bench import locomo
@@ -82,15 +81,8 @@ def cmd_locomo(args, config) -> int:
 
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
                                  workers=args.workers)
-    out = args.out or RESULTS
-    out.mkdir(parents=True, exist_ok=True)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")
-    summary = eval_report.summarize(rows)
-    (out / f"{cfg.name}.json").write_text(json.dumps({"config": {**cfg.__dict__, "data": str(cfg.data)},
-                                                       "summary": summary}, indent=2))
-    table = eval_report.markdown(summary, cfg.name)
-    (out / f"{cfg.name}.md").write_text(table + "\n")
-    print(table)
+    print(eval_report.write(rows, cfg, args.out or RESULTS))
     return 0

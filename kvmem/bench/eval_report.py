@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 from kvmem.bench.metrics import bootstrap_ci, ratio_ci
 
@@ -43,3 +45,14 @@ def markdown(summary: dict, title: str) -> str:
                      f"{_ci(g['ll_text'])} | {_ci(g['ll_kv'])} | {_ci(g['ll_off'])} | {_ci(g['ll_retention_kv'])} | "
                      f"{_ci(g['top1_agree'])} | {_ci(g['kl_text_kv'])} | {_ci(g['recall_at_k'])} |")
     return "\n".join(lines)
+
+
+def write(rows: list[dict], cfg, out: Path) -> str:
+    """Summarise rows into out/<name>.json and out/<name>.md; returns the markdown table."""
+    summary = summarize(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{cfg.name}.json").write_text(json.dumps({"config": {**cfg.__dict__, "data": str(cfg.data)},
+                                                       "summary": summary}, indent=2))
+    table = markdown(summary, cfg.name)
+    (out / f"{cfg.name}.md").write_text(table + "\n")
+    return table

@@ -8,7 +8,6 @@ and `kvmem eval locomo ...`; results go to docs/results/.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from kvmem.bench import eval_locomo, eval_report, load, locomo, ttft
@@ -46,12 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _eval(mem, cfg: eval_locomo.EvalConfig, config: Config) -> None:
     rows = eval_locomo.run(mem, cfg, config.home / "eval")
-    summary = eval_report.summarize(rows)
-    (OUT / f"{cfg.name}.json").write_text(json.dumps({"config": {**cfg.__dict__, "data": str(cfg.data)},
-                                                       "summary": summary}, indent=2))
-    table = eval_report.markdown(summary, cfg.name)
-    (OUT / f"{cfg.name}.md").write_text(table + "\n")
-    print(table, flush=True)
+    print(eval_report.write(rows, cfg, OUT), flush=True)
 
 
 if __name__ == "__main__":

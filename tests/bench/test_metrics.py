@@ -32,3 +32,22 @@ def test_bootstrap_interval_contains_the_mean():
 def test_ratio_interval_of_a_constant_ratio_is_tight():
     point, lo, hi = ratio_ci([0.5, 1.0, 1.5], [1.0, 2.0, 3.0])
     assert point == lo == hi == 0.5
+
+
+def test_eval_report_writes_json_and_markdown(tmp_path):
+    from pathlib import Path
+
+    from kvmem.bench.eval_locomo import EvalConfig
+    from kvmem.bench.eval_report import write
+
+    def mode(f1, ll):
+        return {"f1": f1, "ll": ll}
+
+    rows = [{"category": c, "recall": 0.5, "top1_agree": True, "kl_text_kv": 0.1,
+             "text": mode(0.5, -1.0), "kv": mode(0.4, -1.5), "off": mode(0.1, -3.0)} for c in (1, 2)]
+    cfg = EvalConfig(Path("data.json"), k=3, limit=2)
+    table = write(rows, cfg, tmp_path / "out")
+    saved = __import__("json").loads((tmp_path / "out" / f"{cfg.name}.json").read_text())
+    assert saved["summary"]["overall"]["n"] == 2 and saved["config"]["data"] == "data.json"
+    assert saved["summary"]["overall"]["ll_retention_kv"][0] == 0.75  # (−1.5+3)/(−1+3)
+    assert (tmp_path / "out" / f"{cfg.name}.md").read_text() == table + "\n" and "category 2" in table
