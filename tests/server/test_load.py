@@ -19,8 +19,8 @@ from tests.server.serverproc import KEYS
 from tests.server.test_memory import wait_encoded
 
 
-def _chat(url: str, i: int) -> httpx.Response:
-    body = {"model": "kvmem", "user": "load-user", "max_tokens": 24,
+def _chat(url: str, i: int, max_tokens: int = 24) -> httpx.Response:
+    body = {"model": "kvmem", "user": "load-user", "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": f"Tell me about the number {i}."}]}
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=300,
                       headers={"Authorization": f"Bearer {KEYS['alpha']}"})
@@ -96,12 +96,19 @@ def test_429_above_the_queue_bound(servers):
     assert "kvmem_rejected_requests_total" in httpx.get(server.url + "/metrics").text
 
 
+def _wait_inflight(url: str, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health").json()["inflight_chats"] < n:
+        assert time.monotonic() < deadline, f"fewer than {n} chats in flight after {timeout} s"
+        time.sleep(0.01)
+
+
 @pytest.mark.last
 def test_sigterm_lets_inflight_chats_finish(servers):
     server = servers.get()
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(_chat, server.url, i) for i in range(2)]
-        time.sleep(0.5)  # both in flight
+        futures = [pool.submit(_chat, server.url, i, 96) for i in range(2)]  # long enough to overlap
+        _wait_inflight(server.url, 2)  # a fixed sleep raced the connects on a busy CI machine
         server.proc.terminate()
         assert [f.result().status_code for f in futures] == [200, 200]
     assert server.proc.wait(120) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it is done
