@@ -62,20 +62,29 @@ class WorkerSide:
             return
         positions = torch.tensor([q for p in pieces for q in p.positions])
         slots = torch.tensor([s for p in pieces for s in p.slots])
-        key = self.rotator.rotate(key, positions)  # float32 [L, N, H, D]
+        _, cache = self._caches[0]
+        dev, dtype = cache.device, cache.dtype
+        key = self.rotator.rotate(key.to(dev), positions, inplace=True).to(dtype)  # [L, N, H, D]
+        value = value.to(dev, dtype)
+        slots = slots.to(dev)
         for (name, cache), k, v in zip(self._caches, key, value):
             layer = self._layers[name]
-            dev = cache.device
-            layer.impl.do_kv_cache_update(layer, k.to(dev, cache.dtype), v.to(dev, cache.dtype), cache, slots.to(dev))
+            layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
 
     def _blob_tokens(self, pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = [], []
-        for p in pieces:
-            blob = self.store.get(p.fact_id)
-            n = len(p.slots)
-            keys.append(blob.key[:, p.src : p.src + n])
-            values.append(blob.value[:, p.src : p.src + n])
-        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        """-> key float32 [L, N, H, D] (a fresh buffer, safe to rotate in place), value [L, N, H, D]."""
+        blobs = [(self.store.get(p.fact_id), p.src, len(p.slots)) for p in pieces]
+        first = blobs[0][0]
+        layers, _, heads, dim = first.key.shape
+        total = sum(n for _, _, n in blobs)
+        key = torch.empty(layers, total, heads, dim, dtype=torch.float32)
+        value = torch.empty(layers, total, heads, dim, dtype=first.value.dtype)
+        start = 0
+        for blob, src, n in blobs:
+            key[:, start : start + n] = blob.key[:, src : src + n]
+            value[:, start : start + n] = blob.value[:, src : src + n]
+            start += n
+        return key, value
 
     # -- encoding -------------------------------------------------------------------------------
 

@@ -13,11 +13,12 @@ def test_ttft_bench_tiny(mem, tmp_path):
     text = ttft.report(result, tmp_path / "ttft")
     assert [r["k"] for r in result["rows"]] == [0, 5]
     for row in result["rows"]:
-        assert row["ratio_median"] > 0 and row["text"]["n"] == row["kv"]["n"] == 2
-        assert row["text"]["median"] <= row["text"]["p90"]
+        assert row["ratio_median"] > 0 and row["text"]["n"] == row["kv"]["n"] == row["cached"]["n"] == 2
+        assert row["text"]["median"] <= row["text"]["p90"] and row["kv_over_cached"] > 0
+    assert result["kv_growth_max_k_over_k0"] > 0 and result["cached_growth_max_k_over_k0"] > 0
     assert result["rows"][1]["prompt_tokens"] > result["rows"][0]["prompt_tokens"]
     assert (tmp_path / "ttft.png").stat().st_size > 0 and json.loads((tmp_path / "ttft.json").read_text())
-    assert "| 5 |" in text
+    assert "| 5 |" in text and "prefix-cache hit" in text
 
 
 def test_load_bench_tiny(mem, tmp_path):

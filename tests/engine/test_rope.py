@@ -27,7 +27,36 @@ def llama3_rope():
         return get_rope(64, max_position=16384, rope_parameters=params, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("which", ["rope", "llama3_rope"])
+@pytest.fixture(scope="module")
+def partial_gptj_rope():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    params = {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(64, max_position=4096, rope_parameters=params, dtype=torch.bfloat16, is_neox_style=False)
+
+
+@pytest.mark.parametrize("which", ["rope", "llama3_rope", "partial_gptj_rope"])
+def test_fused_kernel_matches_vllm_reference_rotation(which, request):
+    rope = request.getfixturevalue(which)
+    fast, reference = KeyRotator(rope), KeyRotator(rope, use_kernel=False)
+    assert fast._kernel is not None, "vLLM's rotary kernel is missing from this build"
+    key = torch.randn(3, 50, 2, 64)  # [L, T, H, D]
+    pos = torch.randint(0, 4000, (50,))
+    before = key.clone()
+    for a, b in [(fast.rotate(key, pos), reference.rotate(key, pos)),
+                 (fast.unrotate(key, pos), reference.unrotate(key, pos))]:
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert torch.equal(key, before), "rotate() must not touch its input"
+    inplace = key.clone()
+    assert fast.rotate(inplace, pos, inplace=True).data_ptr() == inplace.data_ptr()
+    assert torch.allclose(inplace, reference.rotate(key, pos), atol=1e-5)
+    with pytest.raises(ValueError, match="in-place"):
+        fast.rotate(key.to(torch.bfloat16), pos, inplace=True)
+
+
+@pytest.mark.parametrize("which", ["rope", "llama3_rope", "partial_gptj_rope"])
 def test_unrotate_then_rotate_is_identity(which, request):
     rot = KeyRotator(request.getfixturevalue(which))
     key = torch.randn(2, 40, 3, 64).to(torch.bfloat16)  # [L, T, H, D] as cached

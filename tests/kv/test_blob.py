@@ -1,8 +1,10 @@
+import json
+
 import pytest
 import torch
 
 from kvmem.errors import BlobError, InvalidInputError
-from kvmem.kv.blob import KVBlob, decode_blob, encode_blob
+from kvmem.kv.blob import KVBlob, checksum, decode_blob, encode_blob
 from kvmem.kv.store import KVStore
 
 FP = "a" * 64
@@ -29,6 +31,34 @@ def test_flipped_byte_is_corrupt():
     with pytest.raises(BlobError) as e:
         decode_blob(bytes(data), "f1", FP)
     assert e.value.reason == BlobError.CORRUPT
+
+
+def _rewrite_metadata(data: bytes, **changes) -> bytes:
+    from safetensors.torch import load, save
+
+    header_len = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
+    meta.update(changes)
+    return save(load(data), metadata={k: v for k, v in meta.items() if v is not None})
+
+
+def test_blobs_checksummed_with_blake2b_before_xxh3_still_load():
+    blob = make_blob()
+    tensors = {"key": blob.key, "value": blob.value}
+    old = _rewrite_metadata(encode_blob(blob), checksum_algo=None,
+                            checksum=checksum(FP, blob.token_ids, tensors, "blake2b"))
+    assert torch.equal(decode_blob(old, "f1", FP).key, blob.key)
+    flipped = bytearray(old)
+    flipped[-3] ^= 0x01
+    with pytest.raises(BlobError) as e:
+        decode_blob(bytes(flipped), "f1", FP)
+    assert e.value.reason == BlobError.CORRUPT
+
+
+def test_unknown_checksum_algorithm_is_stale():
+    with pytest.raises(BlobError) as e:
+        decode_blob(_rewrite_metadata(encode_blob(make_blob()), checksum_algo="md4"), "f1", FP)
+    assert e.value.reason == BlobError.STALE
 
 
 def test_truncated_file_is_corrupt():
