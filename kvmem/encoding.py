@@ -50,7 +50,7 @@ class Encoder:
 
     def blob_ok(self, fact_id: str) -> bool:
         try:
-            self.kv.get(fact_id)
+            self.kv.token_ids(fact_id)  # verifies without keeping tensors in this process
             return True
         except BlobError:
             return False

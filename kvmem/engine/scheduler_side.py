@@ -1,8 +1,8 @@
 """Scheduler side of the connector: decide what to claim, hand load/save jobs to the worker.
 
-Runs in vLLM's engine-core process. Nothing here touches tensors: it reads blob headers through
-the KV store (which verifies checksums once and keeps hot blobs in memory) and turns block ids
-into slot numbers for the worker.
+Runs in vLLM's engine-core process. Nothing here touches tensors: it checks blobs through the KV
+store (header and checksum, verified once per file version; only token ids are kept) and turns
+block ids into slot numbers for the worker.
 """
 
 from __future__ import annotations
@@ -153,11 +153,11 @@ class SchedulerSide:
         if seg.end > len(prompt):
             return "beyond prompt"
         try:
-            blob = self.store.get(seg.fact_id)
+            token_ids = self.store.token_ids(seg.fact_id)
         except BlobError as e:
             log.warning("%s", e)
             return e.reason
-        if list(blob.token_ids) != list(prompt[seg.start : seg.end]):
+        if list(token_ids) != list(prompt[seg.start : seg.end]):
             return BlobError.MISMATCH
         return None
 

@@ -57,14 +57,21 @@ _HASHES = {"xxh3_128": xxhash.xxh3_128, "blake2b": lambda: hashlib.blake2b(diges
 
 def checksum(fingerprint: str, token_ids: tuple[int, ...], tensors: dict[str, torch.Tensor],
              algo: str = CHECKSUM) -> str:
+    parts = []
+    for name, t in tensors.items():
+        t = t.contiguous()
+        parts.append((name, str(t.dtype), tuple(t.shape), memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""))
+    return _digest(fingerprint, token_ids, parts, algo)
+
+
+def _digest(fingerprint: str, token_ids, parts: list[tuple[str, str, tuple, bytes | memoryview]], algo: str) -> str:
+    """parts: (name, torch dtype name, shape, raw little-endian bytes) per tensor."""
     h = _HASHES[algo]()
     h.update(fingerprint.encode())
     h.update(json.dumps(list(token_ids)).encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(memoryview(t.view(torch.uint8).numpy()))  # no copy
+    for name, dtype, shape, raw in sorted(parts, key=lambda p: p[0]):
+        h.update(f"{name}:{dtype}:{shape}".encode())
+        h.update(raw)
     return h.hexdigest()
 
 
@@ -86,12 +93,20 @@ def encode_blob(blob: KVBlob) -> bytes:
     return st_save(tensors, metadata=metadata)
 
 
-def decode_blob(data: bytes, fact_id: str, fingerprint: str) -> KVBlob:
-    """Parse and verify. Raises BlobError(CORRUPT) or BlobError(STALE); never returns a bad blob."""
+def verify_blob(data: bytes, fact_id: str, fingerprint: str) -> tuple[int, ...]:
+    """Check a blob file's header and checksum without building tensors; -> its token ids.
+
+    Raises BlobError(CORRUPT) or BlobError(STALE). The scheduler needs only this (no tensors:
+    a cold check costs a file read and a hash, not an allocation per blob).
+    """
     try:
-        meta = _read_metadata(data)
-        tensors = st_load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + header_len])
+        meta = header.pop("__metadata__")
         token_ids = tuple(json.loads(meta["token_ids"]))
+        body = memoryview(data)[8 + header_len :]
+        parts = [(name, _TORCH_DTYPES[info["dtype"]], tuple(info["shape"]), body[slice(*info["data_offsets"])])
+                 for name, info in header.items()]
     except Exception as e:  # noqa: BLE001 - any parse failure is corruption
         raise BlobError(fact_id, BlobError.CORRUPT, f"unreadable: {e}") from e
     if meta.get("kvmem_format") != str(KV_FORMAT_VERSION) or meta.get("layout") != LAYOUT:
@@ -99,19 +114,25 @@ def decode_blob(data: bytes, fact_id: str, fingerprint: str) -> KVBlob:
     algo = meta.get("checksum_algo", "blake2b")  # blobs written before xxh3 carry no algo
     if algo not in _HASHES:
         raise BlobError(fact_id, BlobError.STALE, f"unknown checksum {algo!r}")
-    if checksum(meta.get("fingerprint", ""), token_ids, tensors, algo) != meta.get("checksum"):
+    if _digest(meta.get("fingerprint", ""), token_ids, parts, algo) != meta.get("checksum"):
         raise BlobError(fact_id, BlobError.CORRUPT, "checksum mismatch")
     if meta["fingerprint"] != fingerprint:
         raise BlobError(fact_id, BlobError.STALE, f"written for model {meta['fingerprint'][:12]}")
     if meta.get("fact_id") != fact_id:
         raise BlobError(fact_id, BlobError.CORRUPT, f"holds fact {meta.get('fact_id')!r}")
-    extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
+    return token_ids
+
+
+def decode_blob(data: bytes, fact_id: str, fingerprint: str) -> KVBlob:
+    """Parse and verify. Raises BlobError(CORRUPT) or BlobError(STALE); never returns a bad blob."""
+    token_ids = verify_blob(data, fact_id, fingerprint)
     try:
+        tensors = st_load(data)
+        extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
         return KVBlob(fact_id, fingerprint, token_ids, tensors["key"], tensors["value"], extras)
-    except (KeyError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a verified file that still does not parse is corrupt
         raise BlobError(fact_id, BlobError.CORRUPT, str(e)) from e
 
 
-def _read_metadata(data: bytes) -> dict[str, str]:
-    header_len = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + header_len])["__metadata__"]
+_TORCH_DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16", "BF16": "torch.bfloat16",
+                 "I64": "torch.int64", "I32": "torch.int32", "U8": "torch.uint8"}

@@ -3,6 +3,7 @@
 Writes are atomic (temp file, fsync, rename), so a reader sees a whole blob or none.
 Decoded blobs are kept in a per-process LRU keyed by the file's identity (inode, size,
 mtime), so a hot fact costs one stat() per request, and a rewritten file is never served stale.
+The scheduler only checks blobs (token_ids()): that keeps no tensors, just the verified ids.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvmem.errors import BlobError, InvalidInputError
-from kvmem.kv.blob import KVBlob, decode_blob, encode_blob
+from kvmem.kv.blob import KVBlob, decode_blob, encode_blob, verify_blob
 
+_VERIFIED_ENTRIES = 200_000  # token ids of checked blobs: ~1 KB each at most
 _FACT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
@@ -33,6 +35,7 @@ class KVStore:
         self._hot: OrderedDict[str, tuple[tuple, KVBlob]] = OrderedDict()
         self._hot_bytes = 0
         self._hot_limit = hot_cache_bytes
+        self._verified: OrderedDict[str, tuple[tuple, tuple[int, ...]]] = OrderedDict()  # header-only checks
         self._lock = threading.Lock()
 
     def path(self, fact_id: str) -> Path:
@@ -58,24 +61,49 @@ class KVStore:
 
     def get(self, fact_id: str) -> KVBlob:
         """The verified blob, or BlobError(MISSING | CORRUPT | STALE)."""
-        path = self.path(fact_id)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise BlobError(fact_id, BlobError.MISSING) from None
-        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        path, stamp = self._stamp(fact_id)
         with self._lock:
             hit = self._hot.get(fact_id)
             if hit is not None and hit[0] == stamp:
                 self._hot.move_to_end(fact_id)
                 return hit[1]
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise BlobError(fact_id, BlobError.MISSING) from None
-        blob = decode_blob(data, fact_id, self.fingerprint)
+        blob = decode_blob(self._read(path, fact_id), fact_id, self.fingerprint)
         self._remember(fact_id, stamp, blob)
         return blob
+
+    def token_ids(self, fact_id: str) -> tuple[int, ...]:
+        """A blob's verified token ids without building its tensors (the scheduler's check).
+
+        Raises BlobError(MISSING | CORRUPT | STALE) exactly where get() would.
+        """
+        path, stamp = self._stamp(fact_id)
+        with self._lock:
+            for cache in (self._hot, self._verified):
+                hit = cache.get(fact_id)
+                if hit is not None and hit[0] == stamp:
+                    cache.move_to_end(fact_id)
+                    return hit[1] if cache is self._verified else hit[1].token_ids
+        token_ids = verify_blob(self._read(path, fact_id), fact_id, self.fingerprint)
+        with self._lock:
+            self._verified[fact_id] = (stamp, token_ids)
+            if len(self._verified) > _VERIFIED_ENTRIES:
+                self._verified.popitem(last=False)
+        return token_ids
+
+    def _stamp(self, fact_id: str) -> tuple[Path, tuple]:
+        path = self.path(fact_id)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise BlobError(fact_id, BlobError.MISSING) from None
+        return path, (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    @staticmethod
+    def _read(path: Path, fact_id: str) -> bytes:
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise BlobError(fact_id, BlobError.MISSING) from None
 
     def exists(self, fact_id: str) -> bool:
         return self.path(fact_id).is_file()
@@ -85,6 +113,7 @@ class KVStore:
             hit = self._hot.pop(fact_id, None)
             if hit is not None:
                 self._hot_bytes -= hit[1].nbytes
+            self._verified.pop(fact_id, None)
         try:
             self.path(fact_id).unlink()
             return True

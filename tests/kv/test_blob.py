@@ -111,3 +111,24 @@ def test_store_refuses_foreign_fingerprints_and_bad_ids(tmp_path):
     for bad in ["", "../x", ".hidden", "a/b", "x" * 200]:
         with pytest.raises(InvalidInputError):
             store.path(bad)
+
+
+def test_token_ids_check_agrees_with_a_full_decode(tmp_path):
+    store = KVStore(tmp_path, FP)
+    store.put(make_blob(tokens=7))
+    assert store.token_ids("f1") == make_blob(tokens=7).token_ids
+    assert not store._hot, "a check must not keep tensors"
+    path = store.path("f1")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # inside the value tensor: only the checksum over the raw bytes sees it
+    path.write_bytes(bytes(data))
+    for check in (store.token_ids, KVStore(tmp_path, FP).get):
+        with pytest.raises(BlobError) as e:
+            check("f1")
+        assert e.value.reason == BlobError.CORRUPT
+    KVStore(tmp_path, FP).put(make_blob(tokens=3))  # rewritten by another process
+    assert store.token_ids("f1") == make_blob(tokens=3).token_ids
+    store.delete("f1")
+    with pytest.raises(BlobError) as e:
+        store.token_ids("f1")
+    assert e.value.reason == BlobError.MISSING
