@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 import xxhash
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kvmem.config import KV_FORMAT_VERSION
@@ -93,12 +92,16 @@ def encode_blob(blob: KVBlob) -> bytes:
     return st_save(tensors, metadata=metadata)
 
 
-def verify_blob(data: bytes, fact_id: str, fingerprint: str) -> tuple[int, ...]:
+def verify_blob(data: bytes | bytearray, fact_id: str, fingerprint: str) -> tuple[int, ...]:
     """Check a blob file's header and checksum without building tensors; -> its token ids.
 
     Raises BlobError(CORRUPT) or BlobError(STALE). The scheduler needs only this (no tensors:
     a cold check costs a file read and a hash, not an allocation per blob).
     """
+    return _verified(data, fact_id, fingerprint)[0]
+
+
+def _verified(data, fact_id: str, fingerprint: str) -> tuple[tuple[int, ...], list]:
     try:
         header_len = int.from_bytes(data[:8], "little")
         header = json.loads(data[8 : 8 + header_len])
@@ -120,18 +123,30 @@ def verify_blob(data: bytes, fact_id: str, fingerprint: str) -> tuple[int, ...]:
         raise BlobError(fact_id, BlobError.STALE, f"written for model {meta['fingerprint'][:12]}")
     if meta.get("fact_id") != fact_id:
         raise BlobError(fact_id, BlobError.CORRUPT, f"holds fact {meta.get('fact_id')!r}")
-    return token_ids
+    return token_ids, parts
 
 
-def decode_blob(data: bytes, fact_id: str, fingerprint: str) -> KVBlob:
-    """Parse and verify. Raises BlobError(CORRUPT) or BlobError(STALE); never returns a bad blob."""
-    token_ids = verify_blob(data, fact_id, fingerprint)
+def decode_blob(data: bytes | bytearray, fact_id: str, fingerprint: str) -> KVBlob:
+    """Parse and verify. Raises BlobError(CORRUPT) or BlobError(STALE); never returns a bad blob.
+
+    The tensors are views into `data` (no copy) when it is a bytearray, as KVStore reads it.
+    """
+    if not isinstance(data, bytearray):
+        data = bytearray(data)  # torch wants a writable buffer to share
+    token_ids, parts = _verified(data, fact_id, fingerprint)
     try:
-        tensors = st_load(data)
+        tensors = {name: _tensor(raw, dtype, shape) for name, dtype, shape, raw in parts}
         extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
         return KVBlob(fact_id, fingerprint, token_ids, tensors["key"], tensors["value"], extras)
     except Exception as e:  # noqa: BLE001 - a verified file that still does not parse is corrupt
         raise BlobError(fact_id, BlobError.CORRUPT, str(e)) from e
+
+
+def _tensor(raw: memoryview, dtype: str, shape: tuple) -> torch.Tensor:
+    dt = getattr(torch, dtype.removeprefix("torch."))
+    if not len(raw):
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(raw, dtype=dt).view(shape)
 
 
 _TORCH_DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16", "BF16": "torch.bfloat16",
