@@ -39,7 +39,7 @@ def add_parsers(sub) -> None:
     lc.add_argument("--memory", choices=("observations", "turns"), default="observations")
     lc.add_argument("--window", type=int, default=2, help="CWE window with --memory turns (default: 2)")
     lc.add_argument("--limit", type=int, default=40,
-                    help="questions per conversation, 0 for all (default: 40: about 10 minutes on 2 CPU cores)")
+                    help="questions per conversation, drawn at random (--seed); 0 for all (default: 40)")
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")
     _common(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
@@ -80,7 +80,7 @@ def cmd_locomo(args, config) -> int:
     from kvmem.bench import eval_locomo, eval_report
 
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
-                                 workers=args.workers)
+                                 seed=args.seed, workers=args.workers)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")

@@ -27,14 +27,16 @@ class EvalConfig:
     k: int = 10
     memory: str = "observations"  # or "turns"
     window: int = 2
-    limit: int | None = None  # questions per conversation
+    limit: int | None = None  # questions per conversation, drawn at random (seeded)
+    seed: int = 0
     max_tokens: int = 32
     workers: int = 4
 
     @property
     def name(self) -> str:
         w = f"-w{self.window}" if self.memory == "turns" else ""
-        return f"locomo-{self.memory}{w}-k{self.k}" + (f"-limit{self.limit}" if self.limit else "")
+        sample = (f"-limit{self.limit}" + (f"-seed{self.seed}" if self.seed else "")) if self.limit else ""
+        return f"locomo-{self.memory}{w}-k{self.k}" + sample
 
 
 def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
@@ -90,8 +92,8 @@ def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
     jobs = []
     for conv in convs:
         user = build_memory(mem, conv, cfg)
-        qs = locomo.questions(conv)[: cfg.limit]
-        jobs += [(user, conv["sample_id"], i, q) for i, q in enumerate(qs) if f"{conv['sample_id']}#{i}" not in done]
+        qs = locomo.sample_questions(conv, cfg.limit, cfg.seed)
+        jobs += [(user, conv["sample_id"], i, q) for i, q in qs if f"{conv['sample_id']}#{i}" not in done]
     with log_path.open("a") as log, ThreadPoolExecutor(cfg.workers) as pool, \
             tqdm(total=len(jobs), desc=f"eval {cfg.name}", unit="q") as bar:
         futures = [(sid, i, pool.submit(answer_question, mem, user, q, cfg)) for user, sid, i, q in jobs]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,19 @@ def _dia_ids(src) -> tuple[str, ...]:
 
 def questions(conversation: dict, categories=(1, 2, 3, 4)) -> list[dict]:
     return [q for q in conversation["qa"] if q.get("category") in categories and "answer" in q]
+
+
+def sample_questions(conversation: dict, limit: int | None, seed: int = 0) -> list[tuple[int, dict]]:
+    """(index, question) pairs: all questions, or `limit` of them drawn at random, in file order.
+
+    LoCoMo lists a conversation's questions roughly by category (single-hop, category 4, last),
+    so its first N questions would leave out the most common category.
+    """
+    qs = list(enumerate(questions(conversation)))
+    if not limit or limit >= len(qs):
+        return qs
+    rng = random.Random(f"{seed}:{conversation['sample_id']}")
+    return sorted(rng.sample(qs, limit), key=lambda pair: pair[0])
 
 
 def _session(key: str) -> int:

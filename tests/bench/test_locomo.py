@@ -1,0 +1,30 @@
+"""Reading LoCoMo and choosing the evaluated questions (no engine)."""
+
+from collections import Counter
+
+from kvmem.bench import locomo
+
+
+def _conv(sample_id="conv-26"):
+    return next(c for c in locomo.load(locomo.DEFAULT_PATH) if c["sample_id"] == sample_id)
+
+
+def test_a_limited_sample_covers_every_category_not_just_the_first_questions():
+    conv = _conv()
+    everything = locomo.questions(conv)
+    sample = locomo.sample_questions(conv, 40)
+    indices = [i for i, _ in sample]
+    assert len(sample) == 40 and indices == sorted(set(indices))
+    assert all(everything[i] is q for i, q in sample)
+    # The file lists single-hop (category 4) questions last: the first 40 hold none of them.
+    assert Counter(q["category"] for q in everything[:40])[4] == 0
+    share = Counter(q["category"] for _, q in sample)[4] / 40
+    assert abs(share - Counter(q["category"] for q in everything)[4] / len(everything)) < 0.2
+
+
+def test_the_sample_is_fixed_by_its_seed():
+    conv = _conv()
+    assert locomo.sample_questions(conv, 10, seed=1) == locomo.sample_questions(conv, 10, seed=1)
+    assert locomo.sample_questions(conv, 10, seed=1) != locomo.sample_questions(conv, 10, seed=2)
+    assert len(locomo.sample_questions(conv, None)) == len(locomo.questions(conv))
+    assert len(locomo.sample_questions(conv, 10_000)) == len(locomo.questions(conv))
