@@ -36,7 +36,9 @@ class EvalConfig:
     def name(self) -> str:
         w = f"-w{self.window}" if self.memory == "turns" else ""
         sample = (f"-limit{self.limit}" + (f"-seed{self.seed}" if self.seed else "")) if self.limit else ""
-        return f"locomo-{self.memory}{w}-k{self.k}" + sample
+        # A subset is part of the name, so resuming one run never mixes in another's questions.
+        subset = "-" + "+".join(sorted(self.conversations)) if self.conversations else ""
+        return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}"
 
 
 def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:

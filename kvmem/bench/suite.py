@@ -2,7 +2,7 @@
 process (one engine start instead of one per command). Same code paths as `kvmem bench ...`
 and `kvmem eval locomo ...`; results go to docs/results/.
 
-    python -m kvmem.bench.suite [--home DIR] [--limit N] [--quick]
+    python -m kvmem.bench.suite [--home DIR] [--limit N] [--skip eval,windows,ttft,load]
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvmem.bench.suite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home", type=Path, default=Path("/tmp/kvmem-bench-suite"), help="data folder for the run")
-    ap.add_argument("--limit", type=int, default=20, help="LoCoMo questions per conversation (default: 20)")
+    ap.add_argument("--limit", type=int, default=40, help="LoCoMo questions per conversation (default: 40)")
     ap.add_argument("--windows", default="0,1,2,4", help="CWE windows to compare on turn memory")
+    ap.add_argument("--window-conversations", default="conv-26,conv-30,conv-41",
+                    help="conversations for the window comparison")
+    ap.add_argument("--window-limit", type=int, default=30, help="questions per conversation there (default: 30)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: eval,windows,ttft,load")
     args = ap.parse_args(argv)
     skip = set(args.skip.split(","))
@@ -34,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
             _eval(mem, eval_locomo.EvalConfig(locomo.DEFAULT_PATH, k=10, limit=args.limit), config)
         if "windows" not in skip:
             for w in (int(x) for x in args.windows.split(",")):
-                _eval(mem, eval_locomo.EvalConfig(locomo.DEFAULT_PATH, ("conv-26",), k=10, memory="turns", window=w,
-                                                  limit=2 * args.limit), config)
+                convs = tuple(c for c in args.window_conversations.split(",") if c)
+                _eval(mem, eval_locomo.EvalConfig(locomo.DEFAULT_PATH, convs, k=10, memory="turns", window=w,
+                                                  limit=args.window_limit), config)
         if "ttft" not in skip:
             print(ttft.report(ttft.run(mem, data=locomo.DEFAULT_PATH), OUT / "ttft"), flush=True)
         if "load" not in skip:

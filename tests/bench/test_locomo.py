@@ -28,3 +28,15 @@ def test_the_sample_is_fixed_by_its_seed():
     assert locomo.sample_questions(conv, 10, seed=1) != locomo.sample_questions(conv, 10, seed=2)
     assert len(locomo.sample_questions(conv, None)) == len(locomo.questions(conv))
     assert len(locomo.sample_questions(conv, 10_000)) == len(locomo.questions(conv))
+
+
+def test_runs_over_different_conversations_never_share_a_resume_log():
+    from pathlib import Path
+
+    from kvmem.bench.eval_locomo import EvalConfig
+
+    names = {EvalConfig(Path("d.json"), convs, limit=30).name
+             for convs in [(), ("conv-26",), ("conv-30",), ("conv-26", "conv-30")]}
+    assert len(names) == 4
+    assert EvalConfig(Path("d.json"), ("conv-30", "conv-26")).name == EvalConfig(Path("d.json"), ("conv-26", "conv-30")).name
+    assert EvalConfig(Path("d.json"), limit=30, seed=1).name != EvalConfig(Path("d.json"), limit=30).name
