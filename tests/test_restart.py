@@ -56,3 +56,25 @@ def test_a_lost_blob_is_served_as_text_then_re_encoded_in_the_background(mem):
         assert r.fallbacks == 0
     finally:
         reopened.close()
+
+
+def test_the_rebuilt_index_keeps_agents_runs_and_metadata_filters(tmp_path):
+    """Oracle: every scoped and filtered search answers the same after a reopen (no engine)."""
+    from kvmem.config import Config, default_home
+
+    config = Config(home=tmp_path, models_home=default_home() / "models")
+    searches = [dict(user_id="u"), dict(user_id="u", agent_id="a1"), dict(user_id="u", agent_id="a1", run_id="r1"),
+                dict(user_id="u", filters={"topic": "food"}), dict(user_id="v")]
+
+    def answers(mem):
+        return [[(h.id, round(h.score, 6)) for h in mem.search("what do I eat", k=10, **s)] for s in searches]
+
+    with KVMem(config, start_engine=False) as mem:
+        mem.add(facts=["I eat rice daily.", "I swim on Mondays."], user_id="u", encode="none")
+        mem.add(facts=["I eat figs."], user_id="u", agent_id="a1", metadata={"topic": "food"}, encode="none")
+        mem.add(facts=["I eat late."], user_id="u", agent_id="a1", run_id="r1", encode="none")
+        mem.add(facts=["I eat soup."], user_id="v", metadata={"topic": "food"}, encode="none")
+        before = answers(mem)
+    with KVMem(config, start_engine=False) as mem:
+        assert answers(mem) == before
+    assert [len(b) for b in before] == [4, 2, 1, 1, 1]

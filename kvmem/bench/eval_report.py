@@ -23,6 +23,8 @@ def _group(rows: list[dict]) -> dict:
     for mode in MODES:
         out[f"f1_{mode}"] = bootstrap_ci([r[mode]["f1"] for r in rows])
         out[f"ll_{mode}"] = bootstrap_ci([r[mode]["ll"] for r in rows])
+    out["f1_retention_kv"] = ratio_ci([r["kv"]["f1"] - r["off"]["f1"] for r in rows],
+                                      [r["text"]["f1"] - r["off"]["f1"] for r in rows])
     out["ll_retention_kv"] = ratio_ci([r["kv"]["ll"] - r["off"]["ll"] for r in rows],
                                       [r["text"]["ll"] - r["off"]["ll"] for r in rows])
     out["top1_agree"] = bootstrap_ci([float(r["top1_agree"]) for r in rows if r["top1_agree"] is not None])
@@ -38,10 +40,11 @@ def _ci(t) -> str:
 
 def markdown(summary: dict, title: str) -> str:
     lines = [f"### {title}", "",
-             "| group | n | F1 text | F1 kv | F1 no-memory | LL text | LL kv | LL no-memory | LL retention kv | "
-             "top-1 agree | KL(text‖kv) | recall@k |", "|" + "---|" * 12]
+             "| group | n | F1 text | F1 kv | F1 no-memory | F1 retention kv | LL text | LL kv | LL no-memory | "
+             "LL retention kv | top-1 agree | KL(text‖kv) | recall@k |", "|" + "---|" * 13]
     for name, g in summary.items():
         lines.append(f"| {name} | {g['n']} | {_ci(g['f1_text'])} | {_ci(g['f1_kv'])} | {_ci(g['f1_off'])} | "
+                     f"{_ci(g['f1_retention_kv'])} | "
                      f"{_ci(g['ll_text'])} | {_ci(g['ll_kv'])} | {_ci(g['ll_off'])} | {_ci(g['ll_retention_kv'])} | "
                      f"{_ci(g['top1_agree'])} | {_ci(g['kl_text_kv'])} | {_ci(g['recall_at_k'])} |")
     return "\n".join(lines)

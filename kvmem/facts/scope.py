@@ -37,3 +37,9 @@ class Scope:
     def key(self) -> str:
         # JSON quoting keeps any character in an id from forging another scope's key.
         return json.dumps([self.user_id, self.agent_id, self.run_id], ensure_ascii=False, separators=(",", ":"))
+
+    @classmethod
+    def from_key(cls, key: str) -> Scope:
+        """The scope whose `key` this is."""
+        user_id, agent_id, run_id = json.loads(key)
+        return cls(user_id, agent_id, run_id)

@@ -50,4 +50,5 @@ def test_eval_report_writes_json_and_markdown(tmp_path):
     saved = __import__("json").loads((tmp_path / "out" / f"{cfg.name}.json").read_text())
     assert saved["summary"]["overall"]["n"] == 2 and saved["config"]["data"] == "data.json"
     assert saved["summary"]["overall"]["ll_retention_kv"][0] == 0.75  # (−1.5+3)/(−1+3)
+    assert abs(saved["summary"]["overall"]["f1_retention_kv"][0] - 0.75) < 1e-9  # (0.4−0.1)/(0.5−0.1)
     assert (tmp_path / "out" / f"{cfg.name}.md").read_text() == table + "\n" and "category 2" in table

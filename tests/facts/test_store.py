@@ -41,6 +41,8 @@ def test_scope_key_is_stable_and_cannot_be_forged():
     assert Scope("u|a:x").key != Scope("u", "x").key
     assert Scope('u","a').key != Scope("u", "a").key
     assert Scope("u", None, "r").key != Scope("u", "r").key
+    for scope in (Scope("u"), Scope("u", "a"), Scope('u","a', None, "r|x")):
+        assert Scope.from_key(scope.key) == scope
 
 
 @pytest.mark.parametrize(
