@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import statistics
 import string
 from collections import Counter
 
@@ -76,3 +77,25 @@ def ratio_ci(num: list[float], den: list[float], iters: int = 1000, seed: int = 
     stats = sorted(s for s in stats if not math.isnan(s))
     point = sum(a for a, _ in pairs) / sum(b for _, b in pairs)
     return point, stats[int(0.025 * len(stats))], stats[int(0.975 * len(stats)) - 1]
+
+
+def median_ratio_ci(num: list[float], den: list[float], paired: bool, iters: int = 1000,
+                    seed: int = 0) -> tuple[float, float, float]:
+    """(median(num) / median(den), low, high): 95% percentile bootstrap.
+
+    paired: num[i] and den[i] were measured together (same facts, same question), so they are
+    resampled together; otherwise each list is resampled on its own.
+    """
+    if not num or not den or (paired and len(num) != len(den)):
+        raise ValueError("need two non-empty samples (of equal length when paired)")
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(iters):
+        if paired:
+            idx = rng.choices(range(len(num)), k=len(num))
+            a, b = [num[i] for i in idx], [den[i] for i in idx]
+        else:
+            a, b = rng.choices(num, k=len(num)), rng.choices(den, k=len(den))
+        stats.append(statistics.median(a) / statistics.median(b))
+    stats.sort()
+    return statistics.median(num) / statistics.median(den), stats[int(0.025 * iters)], stats[int(0.975 * iters) - 1]

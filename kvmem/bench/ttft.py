@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvmem.bench import locomo
+from kvmem.bench.metrics import median_ratio_ci
 from kvmem.bench.report import plot_lines, summary, write_json
 
 USER = "bench-ttft"
@@ -59,19 +60,34 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
 _LABELS = {"text": "text prefill", "kv": "KV injection", "cached": "prefix-cache hit (engine floor)"}
 
 
+def add_intervals(result: dict) -> dict:
+    """Bootstrap 95% intervals from the raw times: text/kv per k (paired by repetition) and growth."""
+    rows = result["rows"]
+    for r in rows:
+        r["ratio_ci"] = median_ratio_ci(r["raw"]["text"], r["raw"]["kv"], paired=True)
+    k0 = next((r for r in rows if r["k"] == 0), None)
+    if k0 is not None:
+        for mode in ("kv", "cached"):
+            result[f"{mode}_growth_ci"] = median_ratio_ci(rows[-1]["raw"][mode], k0["raw"][mode], paired=False)
+    return result
+
+
 def report(result: dict, out: Path) -> str:
+    add_intervals(result)
     write_json(result, out.with_suffix(".json"))
     ks = [r["k"] for r in result["rows"]]
     plot_lines(out.with_suffix(".png"), ks,
                {label: [r[m]["median"] * 1000 for r in result["rows"]] for m, label in _LABELS.items()},
                "facts injected (k)", "median TTFT (ms)", "TTFT vs k: text prefill, KV injection, prefix-cache hit")
     lines = ["| k | prompt tokens | text median (p90) ms | kv median (p90) ms | prefix-cache hit median (p90) ms "
-             "| text/kv | kv/hit |", "|---|---|---|---|---|---|---|"]
+             "| text/kv [95% CI] | kv/hit |", "|---|---|---|---|---|---|---|"]
     ms = lambda s: f"{s['median'] * 1e3:.1f} ({s['p90'] * 1e3:.1f})"  # noqa: E731
     for r in result["rows"]:
         lines.append(f"| {r['k']} | {r['prompt_tokens']} | {ms(r['text'])} | {ms(r['kv'])} | {ms(r['cached'])} "
-                     f"| {r['ratio_median']:.2f}x | {r['kv_over_cached']:.2f}x |")
-    if result["kv_growth_max_k_over_k0"]:
-        lines.append(f"\nKV-mode TTFT(k={ks[-1]}) / TTFT(k=0) = {result['kv_growth_max_k_over_k0']:.2f}; "
-                     f"the engine's own prefix-cache hit grows {result['cached_growth_max_k_over_k0']:.2f}x over the same range")
+                     f"| {r['ratio_median']:.2f}x [{r['ratio_ci'][1]:.2f}, {r['ratio_ci'][2]:.2f}] "
+                     f"| {r['kv_over_cached']:.2f}x |")
+    if "kv_growth_ci" in result:
+        kv, hit = result["kv_growth_ci"], result["cached_growth_ci"]
+        lines.append(f"\nKV-mode TTFT(k={ks[-1]}) / TTFT(k=0) = {kv[0]:.2f} [{kv[1]:.2f}, {kv[2]:.2f}]; "
+                     f"the engine's own prefix-cache hit grows {hit[0]:.2f}x [{hit[1]:.2f}, {hit[2]:.2f}] over the same range")
     return "\n".join(lines)

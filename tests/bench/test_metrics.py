@@ -1,5 +1,7 @@
 import math
 
+import pytest
+
 from kvmem.bench.metrics import bootstrap_ci, locomo_f1, ratio_ci, token_f1, top20_kl
 
 
@@ -52,3 +54,16 @@ def test_eval_report_writes_json_and_markdown(tmp_path):
     assert saved["summary"]["overall"]["ll_retention_kv"][0] == 0.75  # (−1.5+3)/(−1+3)
     assert abs(saved["summary"]["overall"]["f1_retention_kv"][0] - 0.75) < 1e-9  # (0.4−0.1)/(0.5−0.1)
     assert (tmp_path / "out" / f"{cfg.name}.md").read_text() == table + "\n" and "category 2" in table
+
+
+def test_median_ratio_interval_brackets_the_ratio_and_pairs_repetitions():
+    from kvmem.bench.metrics import median_ratio_ci
+
+    text = [1.0, 1.2, 0.9, 1.1, 1.0, 5.0, 1.05]
+    kv = [0.1, 0.12, 0.09, 0.11, 0.1, 0.5, 0.105]  # exactly 10x in every repetition
+    point, lo, hi = median_ratio_ci(text, kv, paired=True)
+    assert abs(point - 10) < 1e-9 and abs(lo - 10) < 1e-9 and abs(hi - 10) < 1e-9
+    point, lo, hi = median_ratio_ci(text, kv, paired=False)  # unpaired: the spread shows
+    assert lo < 10 < hi
+    with pytest.raises(ValueError):
+        median_ratio_ci([1.0], [1.0, 2.0], paired=True)
