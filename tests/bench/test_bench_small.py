@@ -15,7 +15,9 @@ def test_ttft_bench_tiny(mem, tmp_path):
     for row in result["rows"]:
         assert row["ratio_median"] > 0 and row["text"]["n"] == row["kv"]["n"] == row["cached"]["n"] == 2
         assert row["text"]["median"] <= row["text"]["p90"] and row["kv_over_cached"] > 0
+        assert 0 < row["ratio_ci"][1] <= row["ratio_median"] <= row["ratio_ci"][2]
     assert result["kv_growth_max_k_over_k0"] > 0 and result["cached_growth_max_k_over_k0"] > 0
+    assert result["kv_growth_ci"][0] == result["kv_growth_max_k_over_k0"]
     assert result["rows"][1]["prompt_tokens"] > result["rows"][0]["prompt_tokens"]
     assert (tmp_path / "ttft.png").stat().st_size > 0 and json.loads((tmp_path / "ttft.json").read_text())
     assert "| 5 |" in text and "prefix-cache hit" in text
