@@ -41,3 +41,36 @@ def test_quantized_cache_is_refused():
     cache = torch.zeros(2, 1, 32, 16, dtype=torch.uint8)
     with pytest.raises(NotImplementedError):
         PageLayout.calibrate(cache, 2, 32, 1, 8, lambda *a: None)
+
+
+def _flash_writer(hnd: bool):
+    """The layouts of vLLM's CUDA backends, written in torch: [2, blocks, block, H, D] (flash-attn,
+    reshape_and_cache_flash) or [2, blocks, H, block, D] (FlashInfer's HND). No GPU here, so this
+    pins the calibration logic those layouts go through, not the CUDA kernels themselves."""
+
+    def write(key, value, cache, slots):
+        bs = cache.shape[3] if hnd else cache.shape[2]
+        block, offset = slots // bs, slots % bs
+        for i, (b, o) in enumerate(zip(block.tolist(), offset.tolist())):
+            if hnd:
+                cache[0, b, :, o], cache[1, b, :, o] = key[i], value[i]
+            else:
+                cache[0, b, o], cache[1, b, o] = key[i], value[i]
+
+    return write
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_cuda_style_layouts_round_trip(hnd):
+    heads, dim, blocks, bs = 3, 64, 5, 16
+    shape = (2, blocks, heads, bs, dim) if hnd else (2, blocks, bs, heads, dim)
+    cache = torch.zeros(shape, dtype=torch.float16)
+    write = _flash_writer(hnd)
+    layout = PageLayout.calibrate(cache, blocks, bs, heads, dim, write)
+    g = torch.Generator().manual_seed(int(hnd))
+    slots = torch.randperm(blocks * bs, generator=g)[:40]
+    key = torch.randn(40, heads, dim, generator=g).to(torch.float16)
+    value = torch.randn(40, heads, dim, generator=g).to(torch.float16)
+    write(key, value, cache, slots)
+    got_k, got_v = layout.gather(cache, slots)
+    assert torch.equal(got_k, key) and torch.equal(got_v, value)
