@@ -19,9 +19,9 @@ from tests.server.serverproc import KEYS
 from tests.server.test_memory import wait_encoded
 
 
-def _chat(url: str, i: int, max_tokens: int = 24) -> httpx.Response:
+def _chat(url: str, i: int, max_tokens: int = 24, prompt: str = "Tell me about the number {}.") -> httpx.Response:
     body = {"model": "kvmem", "user": "load-user", "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": f"Tell me about the number {i}."}]}
+            "messages": [{"role": "user", "content": prompt.format(i)}]}
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=300,
                       headers={"Authorization": f"Bearer {KEYS['alpha']}"})
 
@@ -96,9 +96,9 @@ def test_429_above_the_queue_bound(servers):
     assert "kvmem_rejected_requests_total" in httpx.get(server.url + "/metrics").text
 
 
-def _wait_inflight(url: str, n: int, timeout: float = 60) -> None:
+def _wait_inflight(health: httpx.Client, n: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while httpx.get(url + "/health").json()["inflight_chats"] < n:
+    while health.get("/health").json()["inflight_chats"] < n:
         assert time.monotonic() < deadline, f"fewer than {n} chats in flight after {timeout} s"
         time.sleep(0.01)
 
@@ -106,10 +106,16 @@ def _wait_inflight(url: str, n: int, timeout: float = 60) -> None:
 @pytest.mark.last
 def test_sigterm_lets_inflight_chats_finish(servers):
     server = servers.get()
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(_chat, server.url, i, 96) for i in range(2)]  # long enough to overlap
-        _wait_inflight(server.url, 2)  # a fixed sleep raced the connects on a busy CI machine
+    # Chats of up to 256 tokens last seconds, so both are surely in flight when the SIGTERM lands
+    # (short ones finished before the first /health poll on a busy CI machine), and the poller's
+    # client exists before they start.
+    with httpx.Client(base_url=server.url, timeout=30) as health, ThreadPoolExecutor(2) as pool:
+        health.get("/health")
+        futures = [pool.submit(_chat, server.url, i, 256, "Write a long story about the number {}.") for i in range(2)]
+        _wait_inflight(health, 2)
         server.proc.terminate()
-        assert [f.result().status_code for f in futures] == [200, 200]
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200, 200]
+    assert all(r.json()["usage"]["completion_tokens"] > 0 for r in responses)
     assert server.proc.wait(120) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it is done
     assert "engine closed" in server.tail() and "Application shutdown complete" in server.tail()
