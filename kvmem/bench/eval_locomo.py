@@ -34,7 +34,7 @@ class EvalConfig:
 
     @property
     def name(self) -> str:
-        w = f"-w{self.window}" if self.memory == "turns" else ""
+        w = f"-w{self.window}"
         sample = (f"-limit{self.limit}" + (f"-seed{self.seed}" if self.seed else "")) if self.limit else ""
         # A subset is part of the name, so resuming one run never mixes in another's questions.
         subset = "-" + "+".join(sorted(self.conversations)) if self.conversations else ""
@@ -43,12 +43,14 @@ class EvalConfig:
 
 def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
     """Store the conversation's memory under its own user; returns that user id."""
-    user = f"locomo-{conv['sample_id']}-{cfg.memory}" + (f"-w{cfg.window}" if cfg.memory == "turns" else "")
+    user = f"locomo-{conv['sample_id']}-{cfg.memory}-w{cfg.window}"
     if mem.get_all(user_id=user, limit=1):
         return user  # built by an earlier (possibly interrupted) run
     if cfg.memory == "observations":
         for o in locomo.observations(conv):
-            mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)}, encode="none")
+            context = _observation_context(mem, conv, o, cfg.window)
+            mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)},
+                    context=context, encode="none")
     else:
         for n, turns, date in locomo.sessions(conv):
             messages = [{"role": "user" if t["speaker"] == conv["conversation"]["speaker_a"] else "assistant",
@@ -57,6 +59,13 @@ def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
     pending = mem.get_all(user_id=user, limit=10_000)
     mem.encoder.encode(pending, progress=True)
     return user
+
+
+def _observation_context(mem, conv: dict, o: locomo.Observation, window: int) -> str:
+    """Context-Window Encoding for an observation: the turns it sums up, rendered as turn facts."""
+    template = mem.config.prompt.fact_template
+    return "".join(template.format(text=f"[{date}] {t['speaker']}: {locomo.turn_text(t)}")
+                   for t, date in locomo.turns_before(conv, o.dia_ids, window))
 
 
 def dia_ids_of(record) -> set[str]:

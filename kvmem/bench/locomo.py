@@ -46,6 +46,21 @@ def sessions(conversation: dict) -> list[tuple[int, list[dict], str]]:
     return [(_session(k), conv[k], conv.get(f"{k}_date_time", "")) for k in sorted(keys, key=_session)]
 
 
+def turns_before(conversation: dict, dia_ids: tuple[str, ...], window: int) -> list[tuple[dict, str]]:
+    """The `window` turns ending at the earliest of `dia_ids` (inclusive), with their session date.
+
+    An observation restates what was said in those turns: they are the conversation that
+    preceded it, which Context-Window Encoding encodes it after. Unknown ids give [].
+    """
+    order = [(t, date) for _, turns, date in sessions(conversation) for t in turns]
+    where = {t.get("dia_id"): i for i, (t, _) in enumerate(order)}
+    found = [where[d] for d in dia_ids if d in where]
+    if not found or window <= 0:
+        return []
+    end = min(found) + 1
+    return order[max(0, end - window) : end]
+
+
 def turn_text(turn: dict) -> str:
     caption = f" [shares {turn['blip_caption']}]" if turn.get("blip_caption") else ""
     return f"{turn['text']}{caption}".strip() or caption.strip()

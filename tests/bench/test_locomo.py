@@ -40,3 +40,15 @@ def test_runs_over_different_conversations_never_share_a_resume_log():
     assert len(names) == 4
     assert EvalConfig(Path("d.json"), ("conv-30", "conv-26")).name == EvalConfig(Path("d.json"), ("conv-26", "conv-30")).name
     assert EvalConfig(Path("d.json"), limit=30, seed=1).name != EvalConfig(Path("d.json"), limit=30).name
+
+
+def test_the_turns_before_an_observation_end_at_its_first_evidence_turn():
+    conv = _conv()
+    obs = next(o for o in locomo.observations(conv) if len(o.dia_ids) == 1 and o.dia_ids[0].endswith(":16"))
+    window = locomo.turns_before(conv, obs.dia_ids, 2)
+    assert [t["dia_id"] for t, _ in window] == ["D1:15", "D1:16"]
+    assert all(date == obs.date for _, date in window)
+    assert locomo.turns_before(conv, obs.dia_ids, 0) == []
+    assert locomo.turns_before(conv, ("D99:1",), 2) == []  # unknown evidence: no context
+    first = locomo.turns_before(conv, ("D1:1",), 4)
+    assert [t["dia_id"] for t, _ in first] == ["D1:1"]  # nothing before the first turn
