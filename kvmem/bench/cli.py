@@ -37,9 +37,9 @@ def add_parsers(sub) -> None:
                     help="comma-separated sample ids (default: all)")
     lc.add_argument("-k", "--k", type=int, default=10)
     lc.add_argument("--memory", choices=("observations", "turns"), default="observations")
-    lc.add_argument("--window", type=int, default=2,
-                    help="CWE window: turns a fact is encoded after (observations: the turns up to its "
-                         "evidence; turns: the turns before it; default: 2)")
+    lc.add_argument("--window", type=int, default=None,
+                    help="CWE window: turns a fact is encoded after (turns: the turns before it, default 2; "
+                         "observations: the turns ending at its evidence, default 0)")
     lc.add_argument("--limit", type=int, default=40,
                     help="questions per conversation, drawn at random (--seed); 0 for all (default: 40)")
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")

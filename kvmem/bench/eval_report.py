@@ -54,7 +54,7 @@ def write(rows: list[dict], cfg, out: Path) -> str:
     """Summarise rows into out/<name>.json and out/<name>.md; returns the markdown table."""
     summary = summarize(rows)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{cfg.name}.json").write_text(json.dumps({"config": {**cfg.__dict__, "data": str(cfg.data)},
+    (out / f"{cfg.name}.json").write_text(json.dumps({"config": {**cfg.__dict__, "data": str(cfg.data), "window": cfg.window_size},
                                                        "summary": summary}, indent=2))
     table = markdown(summary, cfg.name)
     (out / f"{cfg.name}.md").write_text(table + "\n")

@@ -52,3 +52,14 @@ def test_the_turns_before_an_observation_end_at_its_first_evidence_turn():
     assert locomo.turns_before(conv, ("D99:1",), 2) == []  # unknown evidence: no context
     first = locomo.turns_before(conv, ("D1:1",), 4)
     assert [t["dia_id"] for t, _ in first] == ["D1:1"]  # nothing before the first turn
+
+
+def test_default_windows_are_two_turns_for_turns_and_none_for_observations():
+    from pathlib import Path
+
+    from kvmem.bench.eval_locomo import EvalConfig
+
+    assert EvalConfig(Path("d.json"), memory="turns").window_size == 2
+    assert EvalConfig(Path("d.json")).window_size == 0
+    assert EvalConfig(Path("d.json"), window=2).name == "locomo-observations-w2-k10"
+    assert EvalConfig(Path("d.json"), memory="turns", window=0).window_size == 0
