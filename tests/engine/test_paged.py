@@ -12,14 +12,17 @@ def test_cpu_cache_round_trip(block_size, model_dir):
     heads, dim, blocks = 3, 64, 6
     write, _ = cpu_cache_writer(str(model_dir), block_size, dim)
     cache = torch.zeros(blocks, heads, block_size, 2 * dim, dtype=torch.bfloat16)  # CPU layout
+    _assert_round_trip(cache, write, blocks, block_size, heads, dim, tokens=150, seed=block_size)
+
+
+def _assert_round_trip(cache, write, blocks, block_size, heads, dim, tokens, seed):
+    """Calibrate, write random K/V at random slots with the backend's op, gather them back."""
     layout = PageLayout.calibrate(cache, blocks, block_size, heads, dim, write)
-
-    g = torch.Generator().manual_seed(block_size)
-    slots = torch.randperm(blocks * block_size, generator=g)[:150]
-    key = torch.randn(150, heads, dim, generator=g).to(torch.bfloat16)
-    value = torch.randn(150, heads, dim, generator=g).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    key = torch.randn(tokens, heads, dim, generator=g).to(cache.dtype)
+    value = torch.randn(tokens, heads, dim, generator=g).to(cache.dtype)
     write(key, value, cache, slots)
-
     got_k, got_v = layout.gather(cache, slots)
     assert torch.equal(got_k, key) and torch.equal(got_v, value)
 
@@ -64,13 +67,5 @@ def _flash_writer(hnd: bool):
 def test_cuda_style_layouts_round_trip(hnd):
     heads, dim, blocks, bs = 3, 64, 5, 16
     shape = (2, blocks, heads, bs, dim) if hnd else (2, blocks, bs, heads, dim)
-    cache = torch.zeros(shape, dtype=torch.float16)
-    write = _flash_writer(hnd)
-    layout = PageLayout.calibrate(cache, blocks, bs, heads, dim, write)
-    g = torch.Generator().manual_seed(int(hnd))
-    slots = torch.randperm(blocks * bs, generator=g)[:40]
-    key = torch.randn(40, heads, dim, generator=g).to(torch.float16)
-    value = torch.randn(40, heads, dim, generator=g).to(torch.float16)
-    write(key, value, cache, slots)
-    got_k, got_v = layout.gather(cache, slots)
-    assert torch.equal(got_k, key) and torch.equal(got_v, value)
+    _assert_round_trip(torch.zeros(shape, dtype=torch.float16), _flash_writer(hnd), blocks, bs, heads, dim,
+                       tokens=40, seed=int(hnd))
