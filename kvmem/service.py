@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+from datetime import datetime
 from collections import Counter
 from dataclasses import replace
 from typing import Iterator
@@ -350,8 +351,6 @@ class KVMem:
 def _iso_or_none(timestamp: str | None) -> str | None:
     """Message timestamps are free text ("1:56 pm on 8 May, 2023"); only ISO ones become event_time.
     The text itself stays in the fact and in its metadata."""
-    from datetime import datetime
-
     try:
         return datetime.fromisoformat(timestamp).isoformat() if timestamp else None
     except ValueError:

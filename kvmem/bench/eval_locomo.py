@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from kvmem.bench import locomo
 from kvmem.bench.metrics import locomo_f1, top20_kl
+from kvmem.facts.messages import turn_text
 
 MODES = ("text", "kv", "off")
 
@@ -64,8 +65,7 @@ def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
                     context=context, encode="none")
     else:
         for n, turns, date in locomo.sessions(conv):
-            messages = [{"role": "user" if t["speaker"] == conv["conversation"]["speaker_a"] else "assistant",
-                         "name": t["speaker"], "content": locomo.turn_text(t), "timestamp": date} for t in turns]
+            messages = [_message(conv, t, date) for t in turns]
             mem.add(messages, user_id=user, metadata={"session": n}, window=cfg.window_size,
                     encode="none")
     pending = mem.get_all(user_id=user, limit=10_000)
@@ -73,10 +73,16 @@ def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
     return user
 
 
+def _message(conv: dict, turn: dict, date: str) -> dict:
+    speaker_a = conv["conversation"]["speaker_a"]
+    return {"role": "user" if turn["speaker"] == speaker_a else "assistant", "name": turn["speaker"],
+            "content": locomo.turn_text(turn), "timestamp": date}
+
+
 def _observation_context(mem, conv: dict, o: locomo.Observation, window: int) -> str:
-    """Context-Window Encoding for an observation: the turns it sums up, rendered as turn facts."""
+    """Context-Window Encoding for an observation: the turns it sums up, rendered as turn facts are."""
     template = mem.config.prompt.fact_template
-    return "".join(template.format(text=f"[{date}] {t['speaker']}: {locomo.turn_text(t)}")
+    return "".join(template.format(text=turn_text(_message(conv, t, date)))
                    for t, date in locomo.turns_before(conv, o.dia_ids, window))
 
 

@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         if "eval" not in skip:
             _eval(mem, eval_locomo.EvalConfig(locomo.DEFAULT_PATH, k=10, limit=args.limit), config)
         if "windows" not in skip:
+            convs = tuple(c for c in args.window_conversations.split(",") if c)
             for w in (int(x) for x in args.windows.split(",")):
-                convs = tuple(c for c in args.window_conversations.split(",") if c)
                 _eval(mem, eval_locomo.EvalConfig(locomo.DEFAULT_PATH, convs, k=10, memory="turns", window=w,
                                                   limit=args.window_limit), config)
         if "ttft" not in skip:

@@ -326,22 +326,17 @@ class FactStore:
     def pending(self, limit: int = 100, *, max_attempts: int | None = None) -> list[FactRecord]:
         """Facts whose KV is not encoded yet, least-tried first, then oldest first."""
         _check_page(limit, 0)
-        cap = "" if max_attempts is None else " AND kv_attempts < ?"
-        sql = (
-            f"SELECT {_COLUMNS} FROM facts WHERE kv_status <> 'encoded'{cap}"
-            " ORDER BY kv_attempts, created_at, rowid LIMIT ?"
-        )
-        params = (limit,) if max_attempts is None else (max_attempts, limit)
+        where, params = _pending_where(max_attempts)
+        sql = f"SELECT {_COLUMNS} FROM facts{where} ORDER BY kv_attempts, created_at, rowid LIMIT ?"
         with self._lock:
-            rows = self._open().execute(sql, params).fetchall()
+            rows = self._open().execute(sql, (*params, limit)).fetchall()
         return [_record(row) for row in rows]
 
     def count_pending(self, *, max_attempts: int | None = None) -> int:
         """How many facts `pending` would return without a limit."""
-        cap = "" if max_attempts is None else " AND kv_attempts < ?"
-        params = () if max_attempts is None else (max_attempts,)
+        where, params = _pending_where(max_attempts)
         with self._lock:
-            return self._open().execute(f"SELECT COUNT(*) FROM facts WHERE kv_status <> 'encoded'{cap}", params).fetchone()[0]
+            return self._open().execute(f"SELECT COUNT(*) FROM facts{where}", params).fetchone()[0]
 
     def embeddings(self) -> Iterator[tuple[str, str, np.ndarray, dict[str, Any]]]:
         """(fact_id, scope_key, vector, metadata) of every fact that has an embedding."""
@@ -631,6 +626,13 @@ def _vector_from(blob: bytes | None) -> np.ndarray | None:
     vec = np.frombuffer(blob, dtype="<f4").astype(np.float32)
     vec.flags.writeable = False
     return vec
+
+
+def _pending_where(max_attempts: int | None) -> tuple[str, tuple]:
+    """The WHERE clause (and its parameters) of facts still waiting for their KV."""
+    if max_attempts is None:
+        return " WHERE kv_status <> 'encoded'", ()
+    return " WHERE kv_status <> 'encoded' AND kv_attempts < ?", (max_attempts,)
 
 
 def _record(row: Mapping[str, Any]) -> FactRecord:

@@ -59,12 +59,13 @@ def checksum(fingerprint: str, token_ids: tuple[int, ...], tensors: dict[str, to
     parts = []
     for name, t in tensors.items():
         t = t.contiguous()
-        parts.append((name, str(t.dtype), tuple(t.shape), memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""))
+        parts.append((name, t.dtype, tuple(t.shape), memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""))
     return _digest(fingerprint, token_ids, parts, algo)
 
 
-def _digest(fingerprint: str, token_ids, parts: list[tuple[str, str, tuple, bytes | memoryview]], algo: str) -> str:
-    """parts: (name, torch dtype name, shape, raw little-endian bytes) per tensor."""
+def _digest(fingerprint: str, token_ids, parts: list[tuple[str, torch.dtype, tuple, bytes | memoryview]],
+            algo: str) -> str:
+    """parts: (name, dtype, shape, raw little-endian bytes) per tensor."""
     h = _HASHES[algo]()
     h.update(fingerprint.encode())
     h.update(json.dumps(list(token_ids)).encode())
@@ -142,12 +143,11 @@ def decode_blob(data: bytes | bytearray, fact_id: str, fingerprint: str) -> KVBl
         raise BlobError(fact_id, BlobError.CORRUPT, str(e)) from e
 
 
-def _tensor(raw: memoryview, dtype: str, shape: tuple) -> torch.Tensor:
-    dt = getattr(torch, dtype.removeprefix("torch."))
+def _tensor(raw: memoryview, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     if not len(raw):
-        return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(raw, dtype=dt).view(shape)
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=dtype).view(shape)
 
 
-_TORCH_DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16", "BF16": "torch.bfloat16",
-                 "I64": "torch.int64", "I32": "torch.int32", "U8": "torch.uint8"}
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
