@@ -21,6 +21,9 @@ class EngineConfig:
     block_size: paged-cache block size in tokens (CPU needs a multiple of 32; CUDA 16).
     cpu_kv_space_gib: KV cache memory on CPU hosts (VLLM_CPU_KVCACHE_SPACE).
     max_num_seqs: requests batched together per engine step.
+    load_format: vLLM's; "dummy" runs any architecture from its config.json with random weights
+      (timing of big shapes, exactness across families).
+    enforce_eager: skip torch.compile and CUDA graphs (faster start, slower steps).
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
@@ -31,6 +34,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 16
     seed: int = 0
+    load_format: str = "auto"
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,5 +103,9 @@ class Config:
             block_size=int(os.environ.get("KVMEM_BLOCK_SIZE", EngineConfig.block_size)),
             max_model_len=int(os.environ.get("KVMEM_MAX_MODEL_LEN", EngineConfig.max_model_len)),
             cpu_kv_space_gib=int(os.environ.get("KVMEM_CPU_KV_SPACE_GIB", EngineConfig.cpu_kv_space_gib)),
+            gpu_memory_utilization=float(os.environ.get("KVMEM_GPU_MEMORY_UTILIZATION",
+                                                        EngineConfig.gpu_memory_utilization)),
+            load_format=os.environ.get("KVMEM_LOAD_FORMAT", EngineConfig.load_format),
+            enforce_eager=os.environ.get("KVMEM_ENFORCE_EAGER", "") not in ("", "0"),
         )
         return replace(cls(engine=engine), **overrides)

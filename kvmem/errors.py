@@ -40,3 +40,7 @@ class InvalidInputError(KvmemError, ValueError):
 
 class EngineError(KvmemError):
     """The inference engine failed to start or to answer."""
+
+
+class UnsupportedConfigError(EngineError):
+    """vLLM was configured in a way kvmem cannot serve yet (raised at start-up, with the reasons)."""

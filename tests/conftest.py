@@ -39,3 +39,23 @@ def mem(model_dir, tmp_path_factory):
     client.chat("What do I like?", user_id="warmup", mode="kv", max_tokens=2)
     yield client
     client.close()
+
+
+def _vllm_is_cpu_build() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`cpu_backend` tests call kernels only vLLM's CPU build has (skipped on a CUDA build);
+    tests under tests/gpu/ need a CUDA device (skipped without one)."""
+    import torch
+
+    cpu_build = _vllm_is_cpu_build()
+    cuda = torch.cuda.is_available()
+    for item in items:
+        if item.get_closest_marker("cpu_backend") and not cpu_build:
+            item.add_marker(pytest.mark.skip(reason="needs vLLM's CPU backend kernels, absent from the CUDA build"))
+        if "tests/gpu/" in item.nodeid and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (none here)"))

@@ -3,15 +3,17 @@
 vLLM builds one instance per role: the SCHEDULER instance (engine-core process) decides which
 prompt tokens are "externally computed" and plans loads/saves; the WORKER instance (worker
 process) moves K/V between blobs and the paged cache. The two halves live in
-scheduler_side.py and worker_side.py; this class only adapts vLLM's hook names to them.
+scheduler_side.py and worker_side.py; this class only adapts vLLM's hook names to them, and
+refuses at construction what kvmem cannot serve (support.py).
 
-Everything a worker needs travels in the per-step metadata (ConnectorMeta); configuration comes
-from `kv_connector_extra_config`: kv_dir, fingerprint, key_dtype, value_dtype, hot_cache_mib,
-is_neox_style.
+Everything a worker needs travels in the per-step metadata (plan.ConnectorMeta); configuration
+comes from `kv_connector_extra_config`: kv_dir, fingerprint, key_dtype, value_dtype,
+hot_cache_mib, and is_neox_style (only used when the model's own rotary embedding is not found).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,12 +23,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
+from kvmem.engine.plan import ConnectorMeta
 from kvmem.engine.rope import KeyRotator
-from kvmem.engine.scheduler_side import ConnectorMeta, SchedulerSide
+from kvmem.engine.scheduler_side import SchedulerSide
+from kvmem.engine.support import refuse_unsupported
 from kvmem.engine.worker_side import WorkerSide
 from kvmem.kv.store import KVStore
+
+log = logging.getLogger("kvmem.connector")
 
 
 class KvmemMetadata(ConnectorMeta, KVConnectorMetadata):
@@ -36,6 +43,7 @@ class KvmemMetadata(ConnectorMeta, KVConnectorMetadata):
 class KvmemConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        refuse_unsupported(vllm_config, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         store = KVStore(extra["kv_dir"], extra["fingerprint"], int(extra.get("hot_cache_mib", 512)) << 20)
         block_size = vllm_config.cache_config.block_size
@@ -46,62 +54,85 @@ class KvmemConnector(KVConnectorBase_V1):
         else:
             self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, extra)
 
-    # -- scheduler side -------------------------------------------------------------------------
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Injection waits per layer (wait_for_layer_load), which a full CUDA graph would skip."""
+        return True
+
+    # -- scheduler side (engine-core process) ---------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler, while admitting a waiting request (maybe several times): how many prompt
+        tokens after the local prefix-cache hit we supply. Loads are synchronous (False)."""
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Scheduler, once blocks are allocated for a request we claimed tokens of."""
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        """Scheduler, once per step after scheduling: this step's loads and saves for the worker."""
         meta = self._scheduler.build_meta(scheduler_output)
         return KvmemMetadata(loads=meta.loads, saves=meta.saves)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler.request_finished(request)
+        """Scheduler, once per finished request, before its blocks are freed: True keeps them
+        until the worker reports the request in get_finished (an encode still being copied)."""
+        return self._scheduler.request_finished(request)
 
-    # -- worker side ----------------------------------------------------------------------------
+    # -- worker side (worker process) -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker, once at start-up, after the paged caches are allocated."""
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Worker, each step, before the forward pass: queue this step's injections."""
         if self.has_connector_metadata():
             self._worker.load(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous: done in start_load_kv before the forward pass
+        """Worker, inside the forward pass, before each attention layer: that layer's injected
+        K/V must be in the cache (a device-side wait on its event; no host sync)."""
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # saves happen once per step, all layers together, in wait_for_save
+        """Worker, after each attention layer: nothing; encodes are copied once per step."""
+        return
 
     def wait_for_save(self) -> None:
+        """Worker, each step, after the forward pass: queue the copy of finished encodes out of
+        the cache (blobs are written on a background thread)."""
         if self.has_connector_metadata():
             self._worker.save(self._get_connector_metadata())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker, each step, after wait_for_save: encodes whose copy is done (their blocks may
+        be freed); we never load asynchronously, so nothing is ever 'received'."""
+        return self._worker.finished(finished_req_ids) or None, None
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """Worker, before a step that reuses blocks of preempted requests: finish copies out."""
+        self._worker.wait_for_copies()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker, each step: blocks whose injection failed; vLLM recomputes them."""
         failed, self._worker.failed_block_ids = self._worker.failed_block_ids, set()
         return failed
+
+    def shutdown(self) -> None:
+        """Worker and scheduler, at engine shutdown: write out every blob still queued."""
+        if self._worker is not None:
+            self._worker.close()
 
 
 def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int, extra: dict) -> WorkerSide:
     model_config = vllm_config.model_config
-    hf = model_config.hf_text_config
     head_size = model_config.get_head_size()
-    # get_rope builds a CustomOp, which needs the current vLLM config to exist.
-    with set_current_vllm_config(vllm_config):
-        rope = get_rope(
-            head_size,
-            max_position=hf.max_position_embeddings,
-            is_neox_style=bool(extra.get("is_neox_style", True)),
-            rope_parameters=getattr(hf, "rope_parameters", None),
-            dtype=model_config.dtype,
-        )
     value_dtype = extra.get("value_dtype")
     return WorkerSide(
         store=store,
-        rotator=KeyRotator(rope),
+        rotator=KeyRotator(_model_rope(vllm_config, head_size, extra)),
         block_size=block_size,
         num_blocks=kv_cache_config.num_blocks,
         num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
@@ -110,3 +141,26 @@ def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,
         value_dtype=getattr(torch, value_dtype) if value_dtype else None,
         layers=vllm_config.compilation_config.static_forward_context,
     )
+
+
+def _model_rope(vllm_config, head_size: int, extra: dict):
+    """The rotary embedding the model itself uses (its style, scaling and table), else one built
+    from the config. The worker connector is built after the model is loaded, and vLLM's
+    get_rope caches every instance it builds, so the model's own is found there."""
+    built = {id(r): r for r in rotary_embedding._ROPE_DICT.values() if getattr(r, "head_size", None) == head_size}
+    if len(built) == 1:
+        return next(iter(built.values()))
+    if len(built) > 1:
+        styles = {(r.is_neox_style, r.rotary_dim, tuple(r.cos_sin_cache.shape)) for r in built.values()}
+        raise NotImplementedError(f"the model uses {len(built)} different rotary embeddings ({styles}); kvmem needs one")
+    hf = vllm_config.model_config.hf_text_config
+    log.warning("model's rotary embedding not found; building one from the config (is_neox_style=%s)",
+                extra.get("is_neox_style", True))
+    with set_current_vllm_config(vllm_config):  # get_rope builds a CustomOp, which needs the config
+        return get_rope(
+            head_size,
+            max_position=hf.max_position_embeddings,
+            is_neox_style=bool(extra.get("is_neox_style", True)),
+            rope_parameters=getattr(hf, "rope_parameters", None),
+            dtype=vllm_config.model_config.dtype,
+        )

@@ -3,6 +3,11 @@
 One driver thread owns vLLM's LLMEngine (which is not thread-safe): callers on any thread
 submit requests and wait on futures, so concurrent chats and encodes are batched together by
 vLLM's scheduler. Time to first token is measured from submission, queueing included.
+
+The connector writes an encode's blobs off the engine step, on a worker-process thread, so an
+encode request can finish before its blobs are on disk. Its future resolves once every blob
+file of its plan has been replaced (or after BLOB_WAIT_S, when the caller's check finds it
+missing): callers keep the simple rule "after run() returns, the blobs are there".
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from kvmem.config import Config
-from kvmem.engine.plan import KEY, Plan
+from kvmem.engine.plan import ENCODE, KEY, Plan
 from kvmem.errors import EngineError
+from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
 
 log = logging.getLogger(__name__)
+
+BLOB_WAIT_S = 30.0  # a blob write takes milliseconds; only a failed one waits this long
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,8 @@ class _Pending:
     on_text: Callable[[str], None] | None
     submitted: float
     first_token: float | None = None
+    blobs: dict[str, tuple | None] = field(default_factory=dict)  # encode: fact id -> file stamp before it
+    finished: tuple | None = None  # (output, time) once vLLM finished it, while its blobs are awaited
 
 
 class Engine:
@@ -68,6 +78,7 @@ class Engine:
         self._engine = self._llm.llm_engine
         self.model = model
         self.max_model_len = ec.max_model_len
+        self._blobs = KVStore(config.kv_dir, model.fingerprint, hot_cache_bytes=0)
         self._inbox: queue.Queue[_Pending | None] = queue.Queue()
         self._stopping = False
         self._driver = threading.Thread(target=self._drive, name="kvmem-engine", daemon=True)
@@ -82,7 +93,9 @@ class Engine:
         if self._stopping:
             raise EngineError("the engine is shut down")
         future: Future = Future()
-        self._inbox.put(_Pending(request, future, on_text, time.perf_counter()))
+        plan = request.plan
+        blobs = {s.fact_id: self._blobs.stamp(s.fact_id) for s in plan.segments} if plan and plan.op == ENCODE else {}
+        self._inbox.put(_Pending(request, future, on_text, time.perf_counter(), blobs=blobs))
         return future
 
     def run(self, requests: list[EngineRequest]) -> list[EngineResult]:
@@ -113,17 +126,21 @@ class Engine:
 
     def _drive(self) -> None:
         live: dict[str, _Pending] = {}
+        awaiting: list[_Pending] = []  # finished encodes whose blobs are still being written
         while not self._stopping:
             try:
-                self._admit(live, block=not live)
+                self._admit(live, block=not live and not awaiting)
                 if live:
-                    self._step(live)
+                    self._step(live, awaiting)
+                elif awaiting:
+                    time.sleep(0.001)
+                awaiting[:] = [p for p in awaiting if not self._resolve_if_written(p)]
             except Exception as e:  # noqa: BLE001 - fail the waiting callers, keep serving
                 log.exception("engine step failed")
                 for p in live.values():
                     p.future.set_exception(EngineError(f"engine step failed: {e}"))
                 live.clear()
-        for p in live.values():
+        for p in [*live.values(), *awaiting]:
             p.future.set_exception(EngineError("the engine shut down before answering"))
 
     def _admit(self, live: dict[str, _Pending], block: bool) -> None:
@@ -142,7 +159,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
                 item.future.set_exception(e)
 
-    def _step(self, live: dict[str, _Pending]) -> None:
+    def _step(self, live: dict[str, _Pending], awaiting: list[_Pending]) -> None:
         for out in self._engine.step():
             p = live.get(out.request_id)
             if p is None:
@@ -154,10 +171,21 @@ class Engine:
                 p.on_text(out.outputs[0].text)
             if out.finished:
                 del live[out.request_id]
-                try:
-                    p.future.set_result(_result(out, p, now))
-                except Exception as e:  # noqa: BLE001 - the caller must hear of it, never hang
-                    p.future.set_exception(e)
+                p.finished = (out, now)
+                if not self._resolve_if_written(p):
+                    awaiting.append(p)
+
+    def _resolve_if_written(self, p: _Pending) -> bool:
+        """Resolve p's future once each of its blob files is a new one (or its wait ran out)."""
+        out, done = p.finished
+        changed = all(self._blobs.stamp(f) not in (None, before) for f, before in p.blobs.items())
+        if not changed and time.perf_counter() < done + BLOB_WAIT_S:
+            return False
+        try:
+            p.future.set_result(_result(out, p, done))
+        except Exception as e:  # noqa: BLE001 - the caller must hear of it, never hang
+            p.future.set_exception(e)
+        return True
 
     def close(self) -> None:
         if self._stopping:
@@ -189,7 +217,7 @@ def _start_llm(model: ModelInfo, config: Config):
     return LLM(
         model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
         max_num_seqs=ec.max_num_seqs, enable_prefix_caching=True, kv_transfer_config=transfer, seed=ec.seed,
-        gpu_memory_utilization=ec.gpu_memory_utilization,
+        gpu_memory_utilization=ec.gpu_memory_utilization, load_format=ec.load_format, enforce_eager=ec.enforce_eager,
     )
 
 

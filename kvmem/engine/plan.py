@@ -3,11 +3,14 @@
 A request either INJECTS segments (load their blobs into its leading prompt tokens) or ENCODES
 them (save the KV the engine computed for those prompt spans). Segments are token spans of the
 prompt: `start` is where the segment's tokens sit in this request's prompt.
+
+The rest of the file is the connector's own wire format: what the scheduler side sends the
+worker side each step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 KEY = "kvmem"
@@ -51,3 +54,49 @@ class Plan:
         if any(s.start < 0 or s.length <= 0 for s in segments):
             raise ValueError("segments need start >= 0 and length > 0")
         return cls(op, tuple(sorted(segments, key=lambda s: s.start)), bool(body.get("keep_rotated")))
+
+
+# -- scheduler -> worker, once per engine step (pickled across processes) -----------------------
+#
+# Compact on purpose: a request's block ids and token ranges, never one slot per token. The worker
+# expands ranges into slots (slot = block_ids[p // block_size] * block_size + p % block_size).
+
+
+@dataclass(frozen=True)
+class Span:
+    """Blob tokens [src, src + length) at prompt positions [start, start + length)."""
+
+    fact_id: str
+    src: int
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Write these spans of blobs into a request's blocks (injection)."""
+
+    req_id: str
+    block_ids: tuple[int, ...]  # the request's blocks in prompt order, up to the last span's end
+    spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Read these prompt spans out of a request's blocks into new blobs (encoding)."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    spans: tuple[Span, ...]  # src is always 0: a blob holds the whole span
+    token_ids: tuple[tuple[int, ...], ...]  # per span: the tokens its blob is for
+    keep_rotated: bool = False
+
+
+@dataclass
+class ConnectorMeta:
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)

@@ -44,8 +44,8 @@ class KeyRotator:
         layers, tokens, heads, dim = key.shape
         if dim != self.head_size:
             raise ValueError(f"head size {dim}, rotary embedding expects {self.head_size}")
-        if tokens and int(positions.max()) >= self.max_position:
-            raise ValueError(f"position {int(positions.max())} beyond the rotary table ({self.max_position})")
+        if positions.device.type == "cpu":  # on a GPU this would sync; callers check host positions first
+            self.check_positions(positions)
         if inplace and (key.dtype != torch.float32 or not key.is_contiguous()):
             raise ValueError("in-place rotation needs a contiguous float32 key")
         table = self._table(inverse, key.device)
@@ -55,9 +55,15 @@ class KeyRotator:
             return key.copy_(rotated) if inplace else rotated
         out = key if inplace else torch.empty(key.shape, dtype=torch.float32, device=key.device).copy_(key)
         # Layers act as extra tokens: [L*T, H*D] with the positions repeated per layer, one call.
-        self._kernel(positions.repeat(layers), out.view(layers * tokens, heads * dim), None, self.head_size,
-                     table, self.is_neox_style)
+        flat_positions = positions if layers == 1 else positions.repeat(layers)
+        self._kernel(flat_positions, out.view(layers * tokens, heads * dim), None, self.head_size, table,
+                     self.is_neox_style)
         return out
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """positions [T] on the host: ValueError if any lies beyond the rotary table."""
+        if positions.numel() and int(positions.max()) >= self.max_position:
+            raise ValueError(f"position {int(positions.max())} beyond the rotary table ({self.max_position})")
 
     def _static(self, key: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """vLLM's reference implementation, for builds without the rotary kernel."""

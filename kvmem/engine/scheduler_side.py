@@ -1,40 +1,25 @@
 """Scheduler side of the connector: decide what to claim, hand load/save jobs to the worker.
 
 Runs in vLLM's engine-core process. Nothing here touches tensors: it checks blobs through the KV
-store (header and checksum, verified once per file version; only token ids are kept) and turns
-block ids into slot numbers for the worker.
+store (header and checksum, verified once per file version; only token ids are kept) and sends
+the worker block ids and token ranges (plan.py's LoadJob / SaveJob).
+
+Encode requests keep their blocks after they finish until the worker has copied their KV out
+(vLLM's delayed-free protocol: request_finished returns True, the worker's get_finished reports
+the request once the copy is done).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from kvmem.engine.plan import ENCODE, INJECT, KEY, Plan, Segment
+from kvmem.engine.plan import ENCODE, INJECT, KEY, ConnectorMeta, LoadJob, Plan, SaveJob, Segment, Span
 from kvmem.errors import BlobError
 from kvmem.kv.store import KVStore
 
 log = logging.getLogger("kvmem.connector")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Tokens [src, src+count) of a blob, written to/read from `slots` at `positions`."""
-
-    fact_id: str
-    src: int
-    slots: tuple[int, ...]
-    positions: tuple[int, ...]
-    token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class ConnectorMeta:
-    """Per-step metadata, scheduler -> worker (pickled across processes)."""
-
-    loads: list[tuple[str, list[Piece]]] = field(default_factory=list)  # (req_id, pieces)
-    saves: list[tuple[str, list[Piece], bool]] = field(default_factory=list)  # (req_id, pieces, keep_rotated)
 
 
 @dataclass
@@ -62,8 +47,9 @@ class SchedulerSide:
         self.store = store
         self.block_size = block_size
         self._claims: dict[str, Claim] = {}
-        self._pending_loads: dict[str, list[Piece]] = {}
+        self._pending_loads: dict[str, LoadJob] = {}
         self._saves: dict[str, _SaveTracker] = {}
+        self._saving: set[str] = set()  # save sent to the worker: blocks are freed when it says so
         self.fallback_total = 0
 
     # -- vLLM hooks -----------------------------------------------------------------------------
@@ -85,10 +71,12 @@ class SchedulerSide:
             return
         block_ids = blocks.get_block_ids()[0]
         first = claim.end - num_external_tokens
-        self._pending_loads[request.request_id] = self._pieces(claim.segments, first, claim.end, block_ids)
+        self._pending_loads[request.request_id] = LoadJob(
+            request.request_id, tuple(block_ids[: -(-claim.end // self.block_size)]),
+            _spans(claim.segments, first, claim.end))
 
     def build_meta(self, scheduler_output) -> ConnectorMeta:
-        meta = ConnectorMeta(loads=list(self._pending_loads.items()))
+        meta = ConnectorMeta(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
             plan = Plan.from_params(_params_of(new.sampling_params))
@@ -106,17 +94,25 @@ class SchedulerSide:
         for req_id, tracker in list(self._saves.items()):
             tracker.computed += scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if tracker.computed >= max(s.end for s in tracker.plan.segments):
-                meta.saves.append((req_id, self._save_pieces(tracker), tracker.plan.keep_rotated))
+                meta.saves.append(_save_job(req_id, tracker, self.block_size))
+                self._saving.add(req_id)
                 del self._saves[req_id]
         return meta
 
-    def request_finished(self, request) -> dict[str, Any] | None:
+    def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
+        """-> (delay freeing the blocks, kv_transfer_params for the request's output).
+
+        Blocks are kept while the worker still copies an encode's KV out of them; it reports the
+        request in get_finished once the copy is done, and vLLM frees them then.
+        """
         self._saves.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        delay = request.request_id in self._saving
+        self._saving.discard(request.request_id)
         claim = self._claims.pop(request.request_id, None)
         if claim is None:
-            return None
-        return {KEY: {
+            return delay, None
+        return delay, {KEY: {
             "claimed_tokens": claim.claimed,
             "local_hit_tokens": claim.local_hit,
             "inject_end": claim.end,
@@ -161,25 +157,23 @@ class SchedulerSide:
             return BlobError.MISMATCH
         return None
 
-    def _pieces(self, segments: list[Segment], first: int, end: int, block_ids: list[int]) -> list[Piece]:
-        """Cut segments to prompt tokens [first, end) and give each token its cache slot."""
-        pieces = []
-        for seg in segments:
-            lo, hi = max(seg.start, first), min(seg.end, end)
-            if lo < hi:
-                pieces.append(Piece(seg.fact_id, lo - seg.start, self._slots(block_ids, lo, hi), tuple(range(lo, hi))))
-        return pieces
 
-    def _save_pieces(self, tracker: _SaveTracker) -> list[Piece]:
-        return [
-            Piece(s.fact_id, 0, self._slots(tracker.block_ids, s.start, s.end), tuple(range(s.start, s.end)),
-                  tuple(tracker.prompt[s.start : s.end]))
-            for s in tracker.plan.segments
-        ]
+def _spans(segments: list[Segment], first: int, end: int) -> tuple[Span, ...]:
+    """Segments cut to prompt tokens [first, end) (a local prefix-cache hit covers the rest)."""
+    spans = []
+    for seg in segments:
+        lo, hi = max(seg.start, first), min(seg.end, end)
+        if lo < hi:
+            spans.append(Span(seg.fact_id, lo - seg.start, lo, hi - lo))
+    return tuple(spans)
 
-    def _slots(self, block_ids: list[int], lo: int, hi: int) -> tuple[int, ...]:
-        bs = self.block_size
-        return tuple(block_ids[p // bs] * bs + p % bs for p in range(lo, hi))
+
+def _save_job(req_id: str, tracker: _SaveTracker, block_size: int) -> SaveJob:
+    segments = tracker.plan.segments
+    last = max(s.end for s in segments)
+    return SaveJob(req_id, tuple(tracker.block_ids[: -(-last // block_size)]),
+                   tuple(Span(s.fact_id, 0, s.start, s.length) for s in segments),
+                   tuple(tuple(tracker.prompt[s.start : s.end]) for s in segments), tracker.plan.keep_rotated)
 
 
 def _params_of(sampling_params) -> dict[str, Any] | None:

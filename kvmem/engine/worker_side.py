@@ -1,8 +1,20 @@
 """Worker side of the connector: write injected K/V into the paged cache, read encoded K/V out.
 
-Runs in vLLM's worker process, once per engine step. Both directions are batched per layer:
-all tokens of all requests in a step take one rotation call (layers folded into heads) and one
-cache-update call per layer.
+Runs in vLLM's worker process. Every tensor op runs on the paged cache's device; the host only
+fills a staging buffer (loads) or receives a finished copy (saves).
+
+Injection, per step: blob tokens are gathered into one reusable (pinned) host staging buffer;
+then, on a side stream and per layer, keys and values are copied to the device, keys are upcast
+and rotated to their serving positions with the engine's rotary kernel, both are written with the
+attention backend's own cache-update op, and an event is recorded. `wait_layer` makes the
+engine's stream wait for that layer's event only, so layer i's copy overlaps layer i-1's compute.
+
+Encoding, per step: after the forward, on the side stream, the encoded tokens are gathered from
+the paged cache, keys are un-rotated on the device, and both are copied into host memory; a
+background thread (blob_writer.py) writes the blobs. The request's blocks stay allocated until
+the copy is done (reported through `finished`).
+
+On vLLM's CPU backend the same code runs synchronously (no streams, no events).
 """
 
 from __future__ import annotations
@@ -12,11 +24,12 @@ import re
 
 import torch
 
-from kvmem.engine.paged import PageLayout
+from kvmem.engine.blob_writer import BlobWriter, SaveBatch
+from kvmem.engine.paged import PageLayout, slot_mapping
+from kvmem.engine.plan import ConnectorMeta, LoadJob, SaveJob
 from kvmem.engine.rope import KeyRotator
-from kvmem.engine.scheduler_side import ConnectorMeta, Piece
+from kvmem.engine.staging import HostStaging, SideStream, synchronize
 from kvmem.errors import BlobError
-from kvmem.kv.blob import KVBlob
 from kvmem.kv.store import KVStore
 
 log = logging.getLogger("kvmem.connector")
@@ -37,83 +50,138 @@ class WorkerSide:
         self._layers = layers  # layer name -> attention layer (static forward context)
         self._caches: list[tuple[str, torch.Tensor]] = []
         self._layout: PageLayout | None = None
+        self._stream: SideStream | None = None
+        self._staging: HostStaging | None = None
+        self._layer_events: dict[str, object] = {}  # this step's injection, per layer
+        self._copies: dict[str, object] = {}  # req id -> event: its encode's copy out of the cache is done
+        self._writer = BlobWriter(store)
         self.failed_block_ids: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
-        shapes = {(tuple(c.shape), c.stride(), c.dtype) for _, c in self._caches}
+        shapes = {(tuple(c.shape), c.stride(), c.dtype, c.device) for _, c in self._caches}
         if len(shapes) != 1:
             # One calibrated layout serves every layer; hybrid/cross-layer layouts are not supported.
             raise NotImplementedError(f"kvmem needs identical per-layer KV caches, got {shapes}")
+        self._stream = SideStream(self._caches[0][1].device)
+        self._staging = HostStaging(pin=self._stream.is_async)
+
+    @property
+    def device(self) -> torch.device:
+        return self._caches[0][1].device
 
     # -- injection ------------------------------------------------------------------------------
 
     def load(self, meta: ConnectorMeta) -> None:
-        pieces = [p for _, ps in meta.loads for p in ps]
-        if not pieces:
+        """Queue this step's injections; the engine's stream waits per layer in `wait_layer`."""
+        self._layer_events.clear()
+        if not meta.loads:
             return
         try:
-            key, value = self._blob_tokens(pieces)  # each [L, N, H, D]
-        except BlobError as e:
-            # The scheduler verified these blobs moments ago; losing one now is rare. vLLM
-            # recomputes the blocks we report (kv_load_failure_policy), so nothing is lost.
-            log.error("injection failed, blocks will be recomputed: %s", e)
-            self.failed_block_ids.update(s // self.block_size for p in pieces for s in p.slots)
-            return
-        positions = torch.tensor([q for p in pieces for q in p.positions])
-        slots = torch.tensor([s for p in pieces for s in p.slots])
-        _, cache = self._caches[0]
-        dev, dtype = cache.device, cache.dtype
-        key = self.rotator.rotate(key.to(dev), positions, inplace=True).to(dtype)  # [L, N, H, D]
-        value = value.to(dev, dtype)
-        slots = slots.to(dev)
-        for (name, cache), k, v in zip(self._caches, key, value):
-            layer = self._layers[name]
-            layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+            self._load(meta.loads)
+        except Exception as e:  # noqa: BLE001 - never kill the engine: vLLM recomputes what we report
+            log.error("injection failed, blocks will be recomputed: %s", e, exc_info=not _expected(e))
+            self._layer_events.clear()
+            self.failed_block_ids.update(_blocks_of(meta.loads, self.block_size))
 
-    def _blob_tokens(self, pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> key float32 [L, N, H, D] (a fresh buffer, safe to rotate in place), value [L, N, H, D]."""
-        blobs = [(self.store.get(p.fact_id), p.src, len(p.slots)) for p in pieces]
-        first = blobs[0][0]
-        layers, _, heads, dim = first.key.shape
-        total = sum(n for _, _, n in blobs)
-        key = torch.empty(layers, total, heads, dim, dtype=torch.float32)
-        value = torch.empty(layers, total, heads, dim, dtype=first.value.dtype)
+    def _load(self, jobs: list[LoadJob]) -> None:
+        positions, slots, key, value = self._stage(jobs)  # host: [N], [N], [L, N, H, D] x 2
+        dev = self.device
+        with self._stream:
+            positions = positions.to(dev, non_blocking=True)
+            slots = slots.to(dev, non_blocking=True)
+            for i, (name, cache) in enumerate(self._caches):
+                k = key[i].to(dev, torch.float32, non_blocking=True)  # [N, H, D]; may alias staging on CPU
+                self.rotator.rotate(k[None], positions, inplace=True)
+                v = value[i].to(dev, non_blocking=True)
+                layer = self._layers[name]
+                layer.impl.do_kv_cache_update(layer, k.to(cache.dtype), v.to(cache.dtype), cache, slots)
+                self._layer_events[name] = self._stream.record()
+        self._staging.release(self._stream.record())
+
+    def _stage(self, jobs: list[LoadJob]) -> tuple[torch.Tensor, ...]:
+        """Blob tokens of all spans, one after another, in the host staging buffer."""
+        positions, slots = _token_map(jobs, self.block_size)
+        self.rotator.check_positions(positions)
+        spans = [s for job in jobs for s in job.spans]
+        blobs = [self.store.get(s.fact_id) for s in spans]
+        layers, _, heads, dim = blobs[0].key.shape
+        n = len(positions)
+        pos_buf, slot_buf, key, value = self._staging.take([
+            ((n,), torch.long), ((n,), torch.long),
+            ((layers, n, heads, dim), blobs[0].key.dtype), ((layers, n, heads, dim), blobs[0].value.dtype)])
+        pos_buf.copy_(positions)
+        slot_buf.copy_(slots)
         start = 0
-        for blob, src, n in blobs:
-            key[:, start : start + n] = blob.key[:, src : src + n]
-            value[:, start : start + n] = blob.value[:, src : src + n]
-            start += n
-        return key, value
+        for span, blob in zip(spans, blobs):
+            end = start + span.length
+            key[:, start:end] = blob.key[:, span.src : span.src + span.length]
+            value[:, start:end] = blob.value[:, span.src : span.src + span.length]
+            start = end
+        return pos_buf, slot_buf, key, value
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Called before a layer's attention: its injected K/V must be in the cache by then."""
+        if self._stream is not None:
+            self._stream.make_engine_wait(self._layer_events.pop(layer_name, None))
 
     # -- encoding -------------------------------------------------------------------------------
 
     def save(self, meta: ConnectorMeta) -> None:
-        jobs = [(p, keep) for _, ps, keep in meta.saves for p in ps]
-        if not jobs:
+        """Queue the copy of this step's encodes out of the cache; blobs are written off the step."""
+        if not meta.saves:
             return
-        slots = torch.tensor([s for p, _ in jobs for s in p.slots])
-        positions = torch.tensor([q for p, _ in jobs for q in p.positions])
-        cached_k, value = self.gather(slots)  # [L, N, H, D] each
-        key = self.rotator.unrotate(cached_k, positions).to(self.key_dtype)
-        value = value.to(self.value_dtype or value.dtype)
-        start = 0
-        for piece, keep_rotated in jobs:
-            n = len(piece.slots)
-            extras = {"key_rotated": cached_k[:, start : start + n].clone()} if keep_rotated else {}
-            blob = KVBlob(piece.fact_id, self.store.fingerprint, piece.token_ids,
-                          key[:, start : start + n].clone(), value[:, start : start + n].clone(), extras)
-            try:
-                self.store.put(blob)
-            except OSError as e:
-                log.error("could not write the KV blob of %s: %s", piece.fact_id, e)
-            start += n
+        copied = None
+        try:
+            copied = self._save(meta.saves)
+        except Exception as e:  # noqa: BLE001 - the facts stay without KV (served as text, retried)
+            log.error("encoding copy failed for %d requests: %s", len(meta.saves), e, exc_info=not _expected(e))
+        for job in meta.saves:
+            self._copies[job.req_id] = copied
+
+    def _save(self, jobs: list[SaveJob]):
+        positions, slots = _token_map(jobs, self.block_size)
+        self.rotator.check_positions(positions)
+        keep = any(job.keep_rotated for job in jobs)
+        dev, layout = self.device, self._page_layout()
+        with self._stream:
+            positions = positions.to(dev, non_blocking=True)
+            slots = slots.to(dev, non_blocking=True)
+            pairs = [layout.gather(cache, slots) for _, cache in self._caches]
+            cached_k = torch.stack([k for k, _ in pairs])  # [L, N, H, D], rotated, cache dtype
+            value = torch.stack([v for _, v in pairs])
+            key = self.rotator.unrotate(cached_k, positions).to(self.key_dtype)  # pre-RoPE
+            value = value.to(self.value_dtype or value.dtype)
+            host = [_to_host(t, self._stream.is_async) for t in (key, value, *([cached_k] if keep else []))]
+            copied = self._stream.record()
+        self._writer.submit(SaveBatch(jobs, host[0], host[1], host[2] if keep else None, copied))
+        return copied
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the requests vLLM says are finished, those whose encode copy is done: their blocks
+        may be freed. The copy was queued a step ago, so waiting for it here costs next to nothing."""
+        done = set()
+        for req_id in finished_req_ids:
+            if req_id in self._copies:
+                synchronize(self._copies.pop(req_id))
+                done.add(req_id)
+        return done
+
+    def wait_for_copies(self) -> None:
+        """Before vLLM reuses blocks it took back (preemption): finish every pending copy out."""
+        for event in self._copies.values():
+            synchronize(event)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots [N] -> key, value [L, N, H, D] as cached (keys rotated)."""
+        """slots [N] -> key, value [L, N, H, D] as cached (keys rotated), on the host."""
         layout = self._page_layout()
-        pairs = [layout.gather(cache, slots.to(cache.device)) for _, cache in self._caches]
-        return (torch.stack([k for k, _ in pairs]).cpu(), torch.stack([v for _, v in pairs]).cpu())
+        slots = slots.to(self.device, torch.long)
+        pairs = [layout.gather(cache, slots) for _, cache in self._caches]
+        return torch.stack([k for k, _ in pairs]).cpu(), torch.stack([v for _, v in pairs]).cpu()
+
+    def close(self) -> None:
+        self.wait_for_copies()
+        self._writer.close()
 
     def _page_layout(self) -> PageLayout:
         if self._layout is None:
@@ -126,6 +194,36 @@ class WorkerSide:
             self._layout = PageLayout.calibrate(cache, self.num_blocks, self.block_size,
                                                 self.num_kv_heads, self.head_size, write)
         return self._layout
+
+
+def _token_map(jobs: list[LoadJob] | list[SaveJob], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The jobs' spans, one after another -> prompt positions [N] and cache slots [N] (host int64)."""
+    positions, slots = [], []
+    for job in jobs:
+        p = torch.cat([torch.arange(s.start, s.end) for s in job.spans])
+        positions.append(p)
+        slots.append(slot_mapping(job.block_ids, p, block_size))
+    return torch.cat(positions), torch.cat(slots)
+
+
+def _blocks_of(jobs: list[LoadJob], block_size: int) -> set[int]:
+    blocks = set()
+    for job in jobs:
+        for s in job.spans:
+            blocks.update(job.block_ids[s.start // block_size : (s.end - 1) // block_size + 1])
+    return blocks
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An asynchronous copy into fresh host memory (pinned from torch's caching host allocator)."""
+    if t.device.type == "cpu":
+        return t  # already a fresh host tensor of its own
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
+
+
+def _expected(e: Exception) -> bool:
+    """Failures that need no traceback in the log: a blob that went bad, a position out of range."""
+    return isinstance(e, (BlobError, ValueError))
 
 
 def _layer_index(name: str) -> int:

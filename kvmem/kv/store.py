@@ -90,6 +90,14 @@ class KVStore:
                 self._verified.popitem(last=False)
         return token_ids
 
+    def stamp(self, fact_id: str) -> tuple | None:
+        """The blob file's identity (inode, size, mtime), None when there is none: a rewrite
+        (atomic rename of a new file) always changes it."""
+        try:
+            return self._stamp(fact_id)[1]
+        except BlobError:
+            return None
+
     def _stamp(self, fact_id: str) -> tuple[Path, tuple]:
         path = self.path(fact_id)
         try:

@@ -7,6 +7,7 @@ from kvmem.engine.paged import PageLayout
 from tests.engine.backend import cpu_cache_writer
 
 
+@pytest.mark.cpu_backend
 @pytest.mark.parametrize("block_size", [32, 128])
 def test_cpu_cache_round_trip(block_size, model_dir):
     heads, dim, blocks = 3, 64, 6
@@ -27,6 +28,7 @@ def _assert_round_trip(cache, write, blocks, block_size, heads, dim, tokens, see
     assert torch.equal(got_k, key) and torch.equal(got_v, value)
 
 
+@pytest.mark.cpu_backend
 def test_cpu_page_is_transposed_key_then_value(model_dir):
     """Pins the layout DESIGN.md records: per (block, head) page, K as [D, block] then V as [block, D]."""
     bs, heads, dim = 32, 3, 64

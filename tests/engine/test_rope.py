@@ -5,6 +5,8 @@ import torch
 
 from kvmem.engine.rope import KeyRotator
 
+pytestmark = pytest.mark.cpu_backend  # the rotary kernel on host tensors (tests/gpu/ has the CUDA twin)
+
 
 @pytest.fixture(scope="module")
 def rope():

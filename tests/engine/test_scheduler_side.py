@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvmem.engine.plan import ENCODE, INJECT, Plan, Segment
+from kvmem.engine.plan import ENCODE, INJECT, Plan, Segment, Span
 from kvmem.engine.scheduler_side import SchedulerSide
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.store import KVStore
@@ -33,17 +33,32 @@ PROMPT = list(range(10, 40))  # 30 tokens: head [0,4) fact a [4,10) fact b [10,1
 SEGS = [Segment("head", 0, 4), Segment("a", 4, 6), Segment("b", 10, 6)]
 
 
-def test_claims_head_and_facts_and_plans_slots(tmp_path):
+def test_claims_head_and_facts_and_sends_blocks_and_ranges(tmp_path):
     side = SchedulerSide(store_with(tmp_path, {"head": PROMPT[0:4], "a": PROMPT[4:10], "b": PROMPT[10:16]}), 8)
     req = request(PROMPT, SEGS)
     assert side.get_num_new_matched_tokens(req, 0) == (16, False)
-    side.update_state_after_alloc(req, blocks([7, 3]), 16)
+    side.update_state_after_alloc(req, blocks([7, 3, 11, 12]), 16)
     meta = side.build_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                                            num_scheduled_tokens={}))
-    (rid, pieces), = meta.loads
-    assert [p.fact_id for p in pieces] == ["head", "a", "b"]
-    assert pieces[1].slots == (7 * 8 + 4, 7 * 8 + 5, 7 * 8 + 6, 7 * 8 + 7, 3 * 8 + 0, 3 * 8 + 1)
-    assert side.request_finished(req)["kvmem"]["claimed_tokens"] == 16
+    (job,) = meta.loads
+    # Only the blocks the spans touch, and one range per fact: no per-token lists on the wire.
+    assert job.req_id == "r1" and job.block_ids == (7, 3)
+    assert job.spans == (Span("head", 0, 0, 4), Span("a", 0, 4, 6), Span("b", 0, 10, 6))
+    delay, params = side.request_finished(req)
+    assert not delay and params["kvmem"]["claimed_tokens"] == 16
+
+
+def test_worker_expands_ranges_into_the_slots_vllm_uses(tmp_path):
+    import torch
+
+    from kvmem.engine.worker_side import _token_map
+    from kvmem.engine.plan import LoadJob
+
+    job = LoadJob("r1", (7, 3), (Span("head", 0, 0, 4), Span("a", 0, 4, 6)))
+    positions, slots = _token_map([job], 8)
+    assert positions.tolist() == list(range(10))
+    assert slots.tolist() == [56, 57, 58, 59, 60, 61, 62, 63, 24, 25]
+    assert slots.dtype == torch.long
 
 
 def test_local_prefix_hit_shrinks_the_claim(tmp_path):
@@ -51,15 +66,15 @@ def test_local_prefix_hit_shrinks_the_claim(tmp_path):
     req = request(PROMPT, SEGS)
     assert side.get_num_new_matched_tokens(req, 8) == (8, False)
     side.update_state_after_alloc(req, blocks([7, 3]), 8)
-    pieces = side._pending_loads["r1"]
-    assert [(p.fact_id, p.src, p.positions[0]) for p in pieces] == [("a", 4, 8), ("b", 0, 10)]
+    spans = side._pending_loads["r1"].spans
+    assert spans == (Span("a", 4, 8, 2), Span("b", 0, 10, 6))
 
 
 def test_claim_stops_before_a_missing_or_mismatched_blob(tmp_path):
     side = SchedulerSide(store_with(tmp_path, {"head": PROMPT[0:4], "a": [1, 2, 3, 4, 5, 6]}), 8)
     req = request(PROMPT, SEGS)
     assert side.get_num_new_matched_tokens(req, 0) == (4, False)  # "a" holds other tokens
-    info = side.request_finished(req)["kvmem"]
+    info = side.request_finished(req)[1]["kvmem"]
     assert info["fallbacks"] == {"a": "mismatch"} and info["facts_as_text"] == 2
 
 
@@ -83,5 +98,19 @@ def test_encode_requests_claim_nothing_and_save_when_prefilled(tmp_path):
                           prompt_token_ids=PROMPT, block_ids=([5, 6, 9, 2],), num_computed_tokens=0)
     meta = side.build_meta(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                                            num_scheduled_tokens={"r1": 30}))
-    (rid, (piece,), keep), = meta.saves
-    assert piece.token_ids == tuple(PROMPT[4:10]) and piece.slots[0] == 5 * 8 + 4 and piece.slots[-1] == 6 * 8 + 1
+    (job,) = meta.saves
+    assert job.spans == (Span("a", 0, 4, 6),) and job.token_ids == (tuple(PROMPT[4:10]),)
+    assert job.block_ids == (5, 6) and not job.keep_rotated
+    # Its blocks stay allocated until the worker reports the copy out done (delayed free).
+    assert side.request_finished(req) == (True, None)
+
+
+def test_encode_finished_before_its_save_frees_blocks_at_once(tmp_path):
+    side = SchedulerSide(store_with(tmp_path, {}), 8)
+    req = request(PROMPT, [Segment("a", 4, 6)], op=ENCODE)
+    new = SimpleNamespace(req_id="r1", sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": req.kv_transfer_params}),
+                          prompt_token_ids=PROMPT, block_ids=([5, 6, 9, 2],), num_computed_tokens=0)
+    meta = side.build_meta(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                                           num_scheduled_tokens={"r1": 4}))  # aborted after a first chunk
+    assert meta.saves == []
+    assert side.request_finished(req) == (False, None)

@@ -1,0 +1,124 @@
+"""Start-up refusals: each unsupported vLLM configuration is named, built from vLLM's own config
+classes (no engine needed), and the connector refuses it before serving anything."""
+
+import json
+
+import pytest
+import torch
+
+from kvmem.engine.support import refuse_unsupported, unsupported
+from kvmem.errors import UnsupportedConfigError
+
+
+@pytest.fixture(scope="module")
+def model_config(model_dir):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(model_dir), dtype=torch.bfloat16)
+
+
+def kv_cache_config(*specs):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.attn"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def full_attention(**kw):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, **kw)
+
+
+def sliding_window():
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=512)
+
+
+def reasons(model_config, parallel=None, cache=None, kv=None):
+    from vllm.config import CacheConfig, ParallelConfig
+
+    return unsupported(parallel or ParallelConfig(), model_config, cache or CacheConfig(), kv)
+
+
+def test_the_bundled_setup_is_supported(model_config):
+    assert reasons(model_config, kv=kv_cache_config(full_attention())) == []
+
+
+def test_tensor_parallel_is_refused(model_config):
+    from vllm.config import ParallelConfig
+
+    assert reasons(model_config, parallel=ParallelConfig(tensor_parallel_size=2)) == [
+        "tensor parallel size 2 (kvmem supports 1)"]
+
+
+def test_pipeline_parallel_is_refused(model_config):
+    from vllm.config import ParallelConfig
+
+    assert reasons(model_config, parallel=ParallelConfig(pipeline_parallel_size=2)) == [
+        "pipeline parallel size 2 (kvmem supports 1)"]
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache_is_refused(model_config, dtype):
+    from vllm.config import CacheConfig
+
+    (reason,) = reasons(model_config, cache=CacheConfig(cache_dtype=dtype))
+    assert reason.startswith(f"KV cache dtype '{dtype}'")
+
+
+def test_mla_is_refused(tmp_path, model_dir):
+    """A DeepSeek-V2-shaped config (MLA attention), loaded by vLLM's ModelConfig."""
+    from vllm.config import ModelConfig
+
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 256,
+        "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "vocab_size": 49152,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mla = ModelConfig(model=str(tmp_path), tokenizer=str(model_dir), dtype=torch.bfloat16)
+    assert mla.use_mla
+    assert reasons(mla) == ["MLA attention (a compressed latent cache, not per-head K/V)"]
+
+
+def test_hybrid_cache_groups_are_refused(model_config):
+    (reason,) = reasons(model_config, kv=kv_cache_config(full_attention(), sliding_window()))
+    assert reason.startswith("hybrid KV cache with 2 groups (FullAttentionSpec, SlidingWindowSpec)")
+
+
+def test_sliding_window_layers_are_refused(model_config):
+    """With the hybrid allocator off, vLLM folds sliding-window layers into full attention."""
+    (reason,) = reasons(model_config, kv=kv_cache_config(full_attention(sliding_window=512)))
+    assert "sliding-window" in reason
+
+
+def test_the_refusal_names_every_reason(model_config):
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, ParallelConfig
+
+    config = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2), model_config=model_config,
+                             cache_config=CacheConfig(cache_dtype="fp8"))
+    with pytest.raises(UnsupportedConfigError, match="tensor parallel size 2.*KV cache dtype 'fp8'"):
+        refuse_unsupported(config, None)
+
+
+def test_the_connector_refuses_at_construction(model_config, tmp_path):
+    """The class vLLM loads checks before building either side."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvmem.engine.connector import KvmemConnector
+
+    transfer = KVTransferConfig(kv_connector="KvmemConnector", kv_connector_module_path="kvmem.engine.connector",
+                                kv_role="kv_both", kv_connector_extra_config={"kv_dir": str(tmp_path),
+                                                                              "fingerprint": "f" * 64})
+    config = VllmConfig(model_config=model_config, kv_transfer_config=transfer, cache_config=CacheConfig(block_size=32))
+    KvmemConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(full_attention()))  # supported: builds
+    with pytest.raises(UnsupportedConfigError, match="hybrid KV cache"):
+        KvmemConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(full_attention(), sliding_window()))
