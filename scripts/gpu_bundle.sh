@@ -22,8 +22,12 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   $(grep -v '^#' "$reqs" | grep -v '^$')
 python3 -m pip install -q --no-deps --no-compile --target "$dest/site" "$dest/wheels"/*.whl
 
-# What Hopper never loads: the FlashAttention-2 build (vLLM uses FA3 on sm90) and test folders.
-rm -f "$dest"/site/vllm/vllm_flash_attn/_vllm_fa2_C*.so
+# What an H200 run never loads (770 MiB of the 1.3 GiB tree): the FlashAttention-2 build (vLLM
+# uses FA3 on sm90), the Rust front end (vllm-rs; the offline LLM class does not start it),
+# DeepGEMM (fp8 MoE; it needs torch symbols 2.11 lacks) and the sm100 (Blackwell) attention
+# sources. Keep FA2 (+2 pieces) if the check ever runs on a pre-Hopper GPU.
+rm -rf "$dest"/site/vllm/vllm_flash_attn/_vllm_fa2_C*.so "$dest"/site/vllm/vllm-rs \
+  "$dest"/site/vllm/third_party/deep_gemm "$dest"/site/vllm/third_party/fmha_sm100
 find "$dest/site" -depth -type d \( -name tests -o -name __pycache__ \) -exec rm -rf {} +
 
 tar -C "$dest/site" -cf - . | xz -T0 -6 > "$dest/site.tar.xz"

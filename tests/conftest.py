@@ -25,6 +25,14 @@ def tokenizer(model_dir):
 
 
 @pytest.fixture(scope="session")
+def locomo_path(tmp_path_factory):
+    """A synthetic LoCoMo-shaped file (tests never read the real data set: a user's clone lacks it)."""
+    from tests.bench import locomo_fixture
+
+    return locomo_fixture.write(tmp_path_factory.mktemp("locomo") / "locomo_tiny.json")
+
+
+@pytest.fixture(scope="session")
 def mem(model_dir, tmp_path_factory):
     from kvmem.service import KVMem
 

@@ -24,7 +24,9 @@ class Observation:
 def load(path: Path | str = DEFAULT_PATH) -> list[dict]:
     path = Path(path)
     if not path.is_file():
-        raise InvalidInputError(f"LoCoMo data not found at {path} (pass --data PATH)")
+        raise InvalidInputError(
+            f"LoCoMo data not found at {path}. kvmem does not ship it (CC BY-NC): download locomo10.json "
+            "from the LoCoMo repository (snap-research/locomo on GitHub) and pass --data PATH")
     return json.loads(path.read_text())
 
 

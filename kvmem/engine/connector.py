@@ -80,6 +80,10 @@ class KvmemConnector(KVConnectorBase_V1):
         until the worker reports the request in get_finished (an encode still being copied)."""
         return self._scheduler.request_finished(request)
 
+    def update_connector_output(self, connector_output) -> None:
+        """Scheduler, each step, with what the workers reported (encodes whose copy is done)."""
+        self._scheduler.copies_done(connector_output.finished_sending or ())
+
     # -- worker side (worker process) -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -63,17 +63,11 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Span:
-    """Blob tokens [src, src + length) at prompt positions [start, start + length)."""
+class Span(Segment):
+    """A segment's tokens from blob offset `src`: blob tokens [src, src + length) at prompt
+    positions [start, end)."""
 
-    fact_id: str
-    src: int
-    start: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+    src: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +85,7 @@ class SaveJob:
 
     req_id: str
     block_ids: tuple[int, ...]
-    spans: tuple[Span, ...]  # src is always 0: a blob holds the whole span
+    spans: tuple[Span, ...]  # src 0: a blob holds the whole span
     token_ids: tuple[tuple[int, ...], ...]  # per span: the tokens its blob is for
     keep_rotated: bool = False
 

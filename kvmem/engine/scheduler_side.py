@@ -50,6 +50,7 @@ class SchedulerSide:
         self._pending_loads: dict[str, LoadJob] = {}
         self._saves: dict[str, _SaveTracker] = {}
         self._saving: set[str] = set()  # save sent to the worker: blocks are freed when it says so
+        self._held: set[str] = set()  # finished, blocks kept until the worker reports its copy done
         self.fallback_total = 0
 
     # -- vLLM hooks -----------------------------------------------------------------------------
@@ -109,6 +110,8 @@ class SchedulerSide:
         self._pending_loads.pop(request.request_id, None)
         delay = request.request_id in self._saving
         self._saving.discard(request.request_id)
+        if delay:
+            self._held.add(request.request_id)
         claim = self._claims.pop(request.request_id, None)
         if claim is None:
             return delay, None
@@ -119,7 +122,12 @@ class SchedulerSide:
             "injected_facts": len(claim.segments),
             "facts_as_text": claim.facts_as_text,
             "fallbacks": claim.fallbacks,
+            "held_for_copies": len(self._held),  # encodes whose blocks still wait for the worker
         }}
+
+    def copies_done(self, req_ids) -> None:
+        """The worker reported these encodes' copies done (vLLM frees their blocks now)."""
+        self._held.difference_update(req_ids)
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -164,7 +172,7 @@ def _spans(segments: list[Segment], first: int, end: int) -> tuple[Span, ...]:
     for seg in segments:
         lo, hi = max(seg.start, first), min(seg.end, end)
         if lo < hi:
-            spans.append(Span(seg.fact_id, lo - seg.start, lo, hi - lo))
+            spans.append(Span(seg.fact_id, lo, hi - lo, src=lo - seg.start))
     return tuple(spans)
 
 
@@ -172,7 +180,7 @@ def _save_job(req_id: str, tracker: _SaveTracker, block_size: int) -> SaveJob:
     segments = tracker.plan.segments
     last = max(s.end for s in segments)
     return SaveJob(req_id, tuple(tracker.block_ids[: -(-last // block_size)]),
-                   tuple(Span(s.fact_id, 0, s.start, s.length) for s in segments),
+                   tuple(Span(s.fact_id, s.start, s.length) for s in segments),
                    tuple(tuple(tracker.prompt[s.start : s.end]) for s in segments), tracker.plan.keep_rotated)
 
 

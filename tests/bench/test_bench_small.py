@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 
-from kvmem.bench import eval_locomo, eval_report, load, locomo, ttft
+from kvmem.bench import eval_locomo, eval_report, load, ttft
 
 
-def test_ttft_bench_tiny(mem, tmp_path):
-    result = ttft.run(mem, data=locomo.DEFAULT_PATH, ks=(0, 5), reps=2)
+def test_ttft_bench_tiny(mem, tmp_path, locomo_path):
+    result = ttft.run(mem, data=locomo_path, ks=(0, 5), reps=2)
     text = ttft.report(result, tmp_path / "ttft")
     assert [r["k"] for r in result["rows"]] == [0, 5]
     for row in result["rows"]:
@@ -23,8 +23,8 @@ def test_ttft_bench_tiny(mem, tmp_path):
     assert "| 5 |" in text and "prefix-cache hit" in text
 
 
-def test_load_bench_tiny(mem, tmp_path):
-    result = load.run(mem, data=locomo.DEFAULT_PATH, levels=(1, 2), k=5, requests=1, max_tokens=4)
+def test_load_bench_tiny(mem, tmp_path, locomo_path):
+    result = load.run(mem, data=locomo_path, levels=(1, 2), k=5, requests=1, max_tokens=4)
     load.report(result, tmp_path / "load")
     for row in result["rows"]:
         for mode in ("text", "kv"):
@@ -34,8 +34,8 @@ def test_load_bench_tiny(mem, tmp_path):
     assert (tmp_path / "load.png").exists()
 
 
-def test_locomo_eval_tiny_is_sane_and_resumes(mem, tmp_path):
-    cfg = eval_locomo.EvalConfig(locomo.DEFAULT_PATH, ("conv-26",), k=3, limit=3, workers=2)
+def test_locomo_eval_tiny_is_sane_and_resumes(mem, tmp_path, locomo_path):
+    cfg = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=3, workers=2)
     rows = eval_locomo.run(mem, cfg, tmp_path)
     assert len(rows) == 3
     again = eval_locomo.run(mem, cfg, tmp_path)  # resumes: nothing answered twice

@@ -2,15 +2,18 @@
 
 from collections import Counter
 
+import pytest
+
 from kvmem.bench import locomo
+from kvmem.errors import InvalidInputError
 
 
-def _conv(sample_id="conv-26"):
-    return next(c for c in locomo.load(locomo.DEFAULT_PATH) if c["sample_id"] == sample_id)
+@pytest.fixture
+def conv(locomo_path):
+    return next(c for c in locomo.load(locomo_path) if c["sample_id"] == "conv-26")
 
 
-def test_a_limited_sample_covers_every_category_not_just_the_first_questions():
-    conv = _conv()
+def test_a_limited_sample_covers_every_category_not_just_the_first_questions(conv):
     everything = locomo.questions(conv)
     sample = locomo.sample_questions(conv, 40)
     indices = [i for i, _ in sample]
@@ -22,8 +25,7 @@ def test_a_limited_sample_covers_every_category_not_just_the_first_questions():
     assert abs(share - Counter(q["category"] for q in everything)[4] / len(everything)) < 0.2
 
 
-def test_the_sample_is_fixed_by_its_seed():
-    conv = _conv()
+def test_the_sample_is_fixed_by_its_seed(conv):
     assert locomo.sample_questions(conv, 10, seed=1) == locomo.sample_questions(conv, 10, seed=1)
     assert locomo.sample_questions(conv, 10, seed=1) != locomo.sample_questions(conv, 10, seed=2)
     assert len(locomo.sample_questions(conv, None)) == len(locomo.questions(conv))
@@ -42,8 +44,7 @@ def test_runs_over_different_conversations_never_share_a_resume_log():
     assert EvalConfig(Path("d.json"), limit=30, seed=1).name != EvalConfig(Path("d.json"), limit=30).name
 
 
-def test_the_turns_before_an_observation_end_at_its_first_evidence_turn():
-    conv = _conv()
+def test_the_turns_before_an_observation_end_at_its_first_evidence_turn(conv):
     obs = next(o for o in locomo.observations(conv) if len(o.dia_ids) == 1 and o.dia_ids[0].endswith(":16"))
     window = locomo.turns_before(conv, obs.dia_ids, 2)
     assert [t["dia_id"] for t, _ in window] == ["D1:15", "D1:16"]
@@ -63,3 +64,8 @@ def test_default_windows_are_two_turns_for_turns_and_none_for_observations():
     assert EvalConfig(Path("d.json")).window_size == 0
     assert EvalConfig(Path("d.json"), window=2).name == "locomo-observations-w2-k10"
     assert EvalConfig(Path("d.json"), memory="turns", window=0).window_size == 0
+
+
+def test_missing_data_says_where_to_get_it(tmp_path):
+    with pytest.raises(InvalidInputError, match="LoCoMo data not found.*--data"):
+        locomo.load(tmp_path / "absent.json")

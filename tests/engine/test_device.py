@@ -92,10 +92,10 @@ def test_encode_then_inject_on_the_device_round_trips(tmp_path, rope, model_dir)
         for i, name in enumerate(NAMES):
             side._layers[name].impl.do_kv_cache_update(side._layers[name], cached_k[i].to(dev), value[i].to(dev),
                                                        caches[name], enc_slots)
-        side.save(ConnectorMeta(saves=[SaveJob("enc", enc_blocks, (Span("f", 0, 25, n),), (tuple(range(n)),))]))
+        side.save(ConnectorMeta(saves=[SaveJob("enc", enc_blocks, (Span("f", 25, n),), (tuple(range(n)),))]))
         assert side.finished({"other"}) == set() and side.finished({"enc"}) == {"enc"}
         side._writer.flush()
-        side.load(ConnectorMeta(loads=[LoadJob("srv", srv_blocks, (Span("f", 0, 3, n),))]))
+        side.load(ConnectorMeta(loads=[LoadJob("srv", srv_blocks, (Span("f", 3, n),))]))
         for name in NAMES:
             side.wait_layer(name)
         assert not side.failed_block_ids
@@ -116,5 +116,5 @@ def test_a_failed_injection_reports_blocks_instead_of_raising(tmp_path, rope, mo
     side = worker(tmp_path, rope, model_dir)
     with SimulatedDevice():
         side.register_kv_caches({name: to_device(empty_cache()) for name in NAMES})
-        side.load(ConnectorMeta(loads=[LoadJob("r", (1, 3), (Span("absent", 0, 30, 10),))]))
+        side.load(ConnectorMeta(loads=[LoadJob("r", (1, 3), (Span("absent", 30, 10),))]))
     assert side.failed_block_ids == {1, 3}

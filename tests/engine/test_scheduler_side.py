@@ -43,7 +43,7 @@ def test_claims_head_and_facts_and_sends_blocks_and_ranges(tmp_path):
     (job,) = meta.loads
     # Only the blocks the spans touch, and one range per fact: no per-token lists on the wire.
     assert job.req_id == "r1" and job.block_ids == (7, 3)
-    assert job.spans == (Span("head", 0, 0, 4), Span("a", 0, 4, 6), Span("b", 0, 10, 6))
+    assert job.spans == (Span("head", 0, 4), Span("a", 4, 6), Span("b", 10, 6))
     delay, params = side.request_finished(req)
     assert not delay and params["kvmem"]["claimed_tokens"] == 16
 
@@ -54,7 +54,7 @@ def test_worker_expands_ranges_into_the_slots_vllm_uses(tmp_path):
     from kvmem.engine.worker_side import _token_map
     from kvmem.engine.plan import LoadJob
 
-    job = LoadJob("r1", (7, 3), (Span("head", 0, 0, 4), Span("a", 0, 4, 6)))
+    job = LoadJob("r1", (7, 3), (Span("head", 0, 4), Span("a", 4, 6)))
     positions, slots = _token_map([job], 8)
     assert positions.tolist() == list(range(10))
     assert slots.tolist() == [56, 57, 58, 59, 60, 61, 62, 63, 24, 25]
@@ -67,7 +67,7 @@ def test_local_prefix_hit_shrinks_the_claim(tmp_path):
     assert side.get_num_new_matched_tokens(req, 8) == (8, False)
     side.update_state_after_alloc(req, blocks([7, 3]), 8)
     spans = side._pending_loads["r1"].spans
-    assert spans == (Span("a", 4, 8, 2), Span("b", 0, 10, 6))
+    assert spans == (Span("a", 8, 2, src=4), Span("b", 10, 6))
 
 
 def test_claim_stops_before_a_missing_or_mismatched_blob(tmp_path):
@@ -99,7 +99,7 @@ def test_encode_requests_claim_nothing_and_save_when_prefilled(tmp_path):
     meta = side.build_meta(SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
                                            num_scheduled_tokens={"r1": 30}))
     (job,) = meta.saves
-    assert job.spans == (Span("a", 0, 4, 6),) and job.token_ids == (tuple(PROMPT[4:10]),)
+    assert job.spans == (Span("a", 4, 6),) and job.token_ids == (tuple(PROMPT[4:10]),)
     assert job.block_ids == (5, 6) and not job.keep_rotated
     # Its blocks stay allocated until the worker reports the copy out done (delayed free).
     assert side.request_finished(req) == (True, None)

@@ -83,12 +83,12 @@ def test_worker_encode_then_inject_round_trips_on_cuda(tmp_path, rope):
     enc_slots = slot_mapping(enc_blocks, enc_pos, BS).cuda()
     for i, name in enumerate(NAMES):
         layer.impl.do_kv_cache_update(layer, cached_k[i], value[i], caches[name], enc_slots)
-    side.save(ConnectorMeta(saves=[SaveJob("enc", enc_blocks, (Span("f", 0, 7, n),), (tuple(range(n)),))]))
+    side.save(ConnectorMeta(saves=[SaveJob("enc", enc_blocks, (Span("f", 7, n),), (tuple(range(n)),))]))
     assert side.finished({"enc"}) == {"enc"}
     side._writer.flush()
     blob = side.store.get("f")
     assert torch.allclose(blob.key, pre_k.cpu(), rtol=2**-7, atol=3e-2)
-    side.load(ConnectorMeta(loads=[LoadJob("srv", srv_blocks, (Span("f", 0, 50, n),))]))
+    side.load(ConnectorMeta(loads=[LoadJob("srv", srv_blocks, (Span("f", 50, n),))]))
     for name in NAMES:
         side.wait_layer(name)  # the current stream now waits for each layer's event
     assert not side.failed_block_ids
