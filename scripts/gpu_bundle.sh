@@ -15,12 +15,13 @@ rm -rf "$dest" && mkdir -p "$dest/wheels" "$dest/site"
 
 # Wheels for the device: CPython 3.12, manylinux x86-64, no dependency resolution (the list is the
 # resolution: packages the device image already has are left out on purpose).
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
-  --platform manylinux_2_35_x86_64 --platform manylinux1_x86_64 -d "$dest/wheels" \
-  $(grep -v '^#' "$reqs" | grep -v '^$')
-python3 -m pip install -q --no-deps --no-compile --target "$dest/site" "$dest/wheels"/*.whl
+target=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+  --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64
+  --platform manylinux_2_35_x86_64 --platform manylinux1_x86_64)
+python3 -m pip download -q "${target[@]}" -d "$dest/wheels" $(grep -v '^#' "$reqs" | grep -v '^$')
+# The same target flags let this host (any Python) unpack wheels built for the device's 3.12.
+python3 -m pip install -q "${target[@]}" --no-compile --no-index --target "$dest/site" "$dest/wheels"/*.whl
 
 # What an H200 run never loads (770 MiB of the 1.3 GiB tree): the FlashAttention-2 build (vLLM
 # uses FA3 on sm90), the Rust front end (vllm-rs; the offline LLM class does not start it),

@@ -82,6 +82,8 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - never kill the engine: vLLM recomputes what we report
             log.error("injection failed, blocks will be recomputed: %s", e, exc_info=not _expected(e))
             self._layer_events.clear()
+            # Whatever was queued must land before the engine recomputes (and rewrites) those blocks.
+            self._stream.make_engine_wait(self._stream.record())
             self.failed_block_ids.update(_blocks_of(meta.loads, self.block_size))
 
     def _load(self, jobs: list[LoadJob]) -> None:
