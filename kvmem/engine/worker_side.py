@@ -145,13 +145,12 @@ class WorkerSide:
         positions, slots = _token_map(jobs, self.block_size)
         self.rotator.check_positions(positions)
         keep = any(job.keep_rotated for job in jobs)
-        dev, layout = self.device, self._page_layout()
+        dev = self.device
+        self._page_layout()  # calibrated once, on the engine's stream, before the first copy
         with self._stream:
             positions = positions.to(dev, non_blocking=True)
             slots = slots.to(dev, non_blocking=True)
-            pairs = [layout.gather(cache, slots) for _, cache in self._caches]
-            cached_k = torch.stack([k for k, _ in pairs])  # [L, N, H, D], rotated, cache dtype
-            value = torch.stack([v for _, v in pairs])
+            cached_k, value = self._gather_on_device(slots)  # [L, N, H, D] each, keys rotated, cache dtype
             key = self.rotator.unrotate(cached_k, positions).to(self.key_dtype)  # pre-RoPE
             value = value.to(self.value_dtype or value.dtype)
             host = [_to_host(t, self._stream.is_async) for t in (key, value, *([cached_k] if keep else []))]
@@ -176,10 +175,14 @@ class WorkerSide:
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots [N] -> key, value [L, N, H, D] as cached (keys rotated), on the host."""
+        key, value = self._gather_on_device(slots.to(self.device, torch.long))
+        return key.cpu(), value.cpu()
+
+    def _gather_on_device(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots [N] on the cache's device -> key, value [L, N, H, D] as cached, on that device."""
         layout = self._page_layout()
-        slots = slots.to(self.device, torch.long)
         pairs = [layout.gather(cache, slots) for _, cache in self._caches]
-        return torch.stack([k for k, _ in pairs]).cpu(), torch.stack([v for _, v in pairs]).cpu()
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
     def close(self) -> None:
         self.wait_for_copies()
