@@ -44,3 +44,8 @@ class EngineError(KvmemError):
 
 class UnsupportedConfigError(EngineError):
     """vLLM was configured in a way kvmem cannot serve yet (raised at start-up, with the reasons)."""
+
+
+class RequestCancelled(KvmemError):
+    """The caller cancelled a request before its answer (e.g. the HTTP client went away); the
+    engine aborted it and freed its KV blocks."""

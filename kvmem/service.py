@@ -24,10 +24,11 @@ from typing import Iterator
 
 from kvmem.config import Config
 from kvmem.encoding import EncodeReport, Encoder, salt
-from kvmem.errors import EngineError, InvalidInputError
+from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
 from kvmem.facts.messages import check_messages, turn_facts
 from kvmem.facts.scope import Scope
 from kvmem.facts.store import MAX_LIMIT, FactRecord, FactStore, HistoryEvent
+from kvmem.facts.text import check_fact_text, check_nested, check_unicode
 from kvmem.index import ExactIndex, validate_filters
 from kvmem.kv.store import KVStore
 from kvmem.model import resolve_model
@@ -60,7 +61,7 @@ class KVMem:
         self.engine = engine if engine is not None else (self._start_engine() if start_engine else None)
         self.encoder = Encoder(self.engine, self.prompts, self.kv, self.facts) if self.engine else None
         if self.encoder:
-            self._requeue_missing_blobs()
+            self._requeue_bad_blobs()
             if background:
                 self.encoder.start()
 
@@ -81,10 +82,11 @@ class KVMem:
             scope = Scope.from_key(scope_key)
             self.index.add(scope.user_id, [fact_id], vector[None, :], [_index_metadata(scope, metadata)])
 
-    def _requeue_missing_blobs(self) -> None:
-        """After a restart (or a lost disk), facts marked encoded whose blob is gone become pending."""
+    def _requeue_bad_blobs(self) -> None:
+        """At start-up, facts marked encoded whose blob is gone, truncated or another fact's
+        (a header check, no checksum) become pending, so kv_status tells the truth."""
         for record in self._all_records():
-            if record.kv_status == "encoded" and not self.kv.exists(record.id):
+            if record.kv_status == "encoded" and not self.kv.intact(record.id):
                 self.facts.set_kv_status(record.id, "pending")
 
     # -- write path -----------------------------------------------------------------------------
@@ -130,8 +132,13 @@ class KVMem:
     def _checked_text(self, text, context: str) -> str:
         if not isinstance(context, str):
             raise InvalidInputError(f"context must be a string, got {type(context).__name__}")
-        tokens = self.prompts.fact_tokens(text)  # raises on empty / non-string
+        check_unicode("context", context)
+        check_fact_text(text)
         limit = self.config.memory.max_fact_tokens
+        if len(text) > limit * self.prompts.max_token_chars:  # refused before spending time tokenizing it
+            raise InvalidInputError(f"fact is {len(text)} characters long; the limit is {limit} tokens "
+                                    "(memory.max_fact_tokens)")
+        tokens = self.prompts.fact_tokens(text)
         if len(tokens) > limit:
             raise InvalidInputError(f"fact is {len(tokens)} tokens long; the limit is {limit} (memory.max_fact_tokens)")
         if len(self.prompts.head_ids) + len(self.prompts.context_tokens(context)) + len(tokens) >= self.config.engine.max_model_len:
@@ -199,6 +206,7 @@ class KVMem:
         from kvmem.index import matches
 
         Scope(user_id, agent_id, run_id)
+        check_nested("filters", filters)
         norm = validate_filters(filters) if filters else None
         where = (lambda md: matches(md, norm)) if norm else None
         return self.facts.list(user_id=user_id, agent_id=agent_id, run_id=run_id, limit=limit, offset=offset, where=where)
@@ -211,6 +219,8 @@ class KVMem:
         Scope(user_id, agent_id, run_id)
         if not isinstance(query, str) or not query.strip():
             raise InvalidInputError("query must be a non-empty string")
+        check_unicode("query", query)
+        check_nested("filters", filters)
         validate_filters(filters or {})  # the user's own filters, checked before scope keys join them
         conditions = {**(filters or {}), **{k_: v for k_, v in (("_agent_id", agent_id), ("_run_id", run_id)) if v}}
         vector = self.embedder.embed([query])[0]
@@ -220,28 +230,33 @@ class KVMem:
 
     def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
              run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,
-             mode: str = "kv", max_tokens: int = 64, logprobs: int | None = 20) -> ChatResult:
+             mode: str = "kv", max_tokens: int = 64, logprobs: int | None = 20,
+             cancel: threading.Event | None = None) -> ChatResult:
         """Answer the conversation with the user's top-k facts for its last user message.
 
         Facts go into the prompt in the order they were stored (conversation order), not by
         score: a turn was encoded after the turns that preceded it, so keeping that order keeps
         the prompt closest to what each fact's KV was computed with, and helps questions about
         time. `fact_ids` skips retrieval and uses exactly those facts, in that order.
-        Thread-safe: concurrent chats are batched by the engine.
+        Thread-safe: concurrent chats are batched by the engine. Setting `cancel` (from another
+        thread) aborts the generation and raises RequestCancelled.
         """
         facts, request, retrieval_s = self._prepare(messages, user_id, agent_id, run_id, k, filters, fact_ids,
                                                     mode, max_tokens, logprobs)
-        (result,) = self._need_engine().run([request])
+        (result,) = self._need_engine().run([request], cancel=cancel)
         return self._finish(result, facts, mode, user_id, retrieval_s)
 
     def chat_stream(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
                     run_id: str | None = None, k: int = 10, filters: dict | None = None,
                     fact_ids: list[str] | None = None, mode: str = "kv", max_tokens: int = 64,
-                    logprobs: int | None = None) -> Iterator[str | ChatResult]:
-        """Like chat, streaming: yields text deltas as they are generated, then the ChatResult."""
+                    logprobs: int | None = None, cancel: threading.Event | None = None) -> Iterator[str | ChatResult]:
+        """Like chat, streaming: yields text deltas as they are generated, then the ChatResult.
+
+        Closing the generator early, or setting `cancel`, aborts the generation.
+        """
         facts, request, retrieval_s = self._prepare(messages, user_id, agent_id, run_id, k, filters, fact_ids,
                                                     mode, max_tokens, logprobs)
-        for item in self._need_engine().stream(request):
+        for item in self._need_engine().stream(request, cancel=cancel):
             yield item if isinstance(item, str) else self._finish(item, facts, mode, user_id, retrieval_s)
 
     def score(self, messages: str | list[dict], answer: str, *, user_id: str, fact_ids: list[str],
@@ -267,6 +282,7 @@ class KVMem:
             raise InvalidInputError(f"mode must be one of {MODES}, got {mode!r}")
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
         check_messages(messages)
+        self._check_fits(messages, max_tokens)
         t0 = time.perf_counter()
         facts = self._chat_facts(messages, user_id, agent_id, run_id, k, filters, fact_ids, mode)
         retrieval_s = time.perf_counter() - t0
@@ -279,6 +295,14 @@ class KVMem:
                                     f"exceeds the model's {self.config.engine.max_model_len}")
         plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
         return facts, EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs), retrieval_s
+
+    def _check_fits(self, messages: list[dict], max_tokens: int) -> None:
+        """Refuse a conversation too long to fit before tokenizing it (megabytes take seconds)."""
+        chars = sum(len(m["content"]) for m in messages)
+        bound = self.config.engine.max_model_len * self.prompts.max_token_chars  # no token is longer
+        if chars > bound:
+            raise InvalidInputError(f"messages of {chars} characters (at least {-(-chars // self.prompts.max_token_chars)}"
+                                    f" tokens) exceed the model's {self.config.engine.max_model_len}")
 
     def _chat_facts(self, messages, user_id, agent_id, run_id, k, filters, fact_ids, mode) -> list[FactRecord]:
         Scope(user_id, agent_id, run_id)
@@ -318,7 +342,7 @@ class KVMem:
                 try:
                     self.facts.set_kv_status(fact_id, "pending")
                     requeued = True
-                except Exception:  # noqa: BLE001 - deleted meanwhile: nothing to re-encode
+                except UnknownFactError:  # deleted meanwhile: nothing to re-encode
                     pass
         if requeued:
             self.encoder.kick()

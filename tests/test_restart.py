@@ -78,3 +78,32 @@ def test_the_rebuilt_index_keeps_agents_runs_and_metadata_filters(tmp_path):
     with KVMem(config, start_engine=False) as mem:
         assert answers(mem) == before
     assert [len(b) for b in before] == [4, 2, 1, 1, 1]
+
+
+def test_every_bad_blob_is_found_by_one_chat_and_at_start_up(mem):
+    """Four broken blobs: one KV chat re-queues all four (it was one per chat); a restart marks
+    zero-length and swapped ones pending instead of 'encoded'."""
+    texts = ["My boat is called Saudade.", "I sail every Sunday.", "My dog is called Pico.",
+             "I live in Lisbon.", "I work as a luthier."]
+    ids = list(mem.add(facts=texts, user_id="repair").ids)
+    keep = mem.kv.path(ids[4]).read_bytes()
+    mem.kv.path(ids[1]).write_bytes(b"")
+    mem.kv.path(ids[2]).write_bytes(mem.kv.path(ids[3]).read_bytes())  # another fact's blob
+    mem.kv.path(ids[3]).write_bytes(keep)
+    raw = bytearray(mem.kv.path(ids[4]).read_bytes())
+    raw[-1] ^= 0xFF  # same size, so only the checksum can tell
+    mem.kv.path(ids[4]).write_bytes(bytes(raw))
+
+    reopened = KVMem(mem.config, engine=mem.engine, background=False)
+    try:
+        statuses = [reopened.get(i).kv_status for i in ids]
+        assert statuses == ["encoded", "pending", "pending", "pending", "encoded"]  # the flip needs the checksum
+        r = reopened.chat("What is my boat called?", user_id="repair", fact_ids=ids, mode="kv", max_tokens=4)
+        assert set(r.fallback_reasons) == set(ids[1:]) and r.fallbacks == 4
+        assert [reopened.get(i).kv_status for i in ids] == ["encoded"] + ["pending"] * 4
+        report = reopened.encoder.encode(reopened.facts.pending(limit=10, max_attempts=3))
+        assert report.encoded == 4 and report.failed == ()
+        r = reopened.chat("What is my boat called?", user_id="repair", fact_ids=ids, mode="kv", max_tokens=4)
+        assert r.fallbacks == 0 and r.injected_tokens > 0
+    finally:
+        reopened.close()

@@ -28,6 +28,8 @@ def test_duplicates_within_a_scope_are_stored_once(mem):
 @pytest.mark.parametrize("facts,match", [
     ([""], "non-empty string"), (["   \n"], "non-empty string"), ([None], "non-empty string"), ([42], "non-empty string"),
     (["word " * 300], "limit is 256"), ([], "non-empty list"),
+    (["\u0000"], "no visible characters"), (["\ufeff"], "no visible characters"), (["\u200b \u2060"], "no visible"),
+    (["ok", "a\ud800"], "not valid Unicode"),
 ])
 def test_bad_facts_are_refused(mem, facts, match):
     with pytest.raises(InvalidInputError, match=match):
@@ -133,10 +135,17 @@ def test_delete_all_clears_one_scope(mem):
 
 def test_ten_threads_adding_fifty_facts_each_lose_nothing(mem):
     in_threads(lambda t: mem.add(facts=[f"Thread {t} fact {i}: item {t * 100 + i} is stored." for i in range(50)],
-                                 user_id="threads"), 10)
+                                 user_id="threads", encode="none"), 10)
     records = mem.get_all(user_id="threads", limit=1000)
-    assert len(records) == 500 and mem.index.count("threads") == 500
-    assert sum(mem.kv.exists(r.id) for r in records) == 500
+    assert len(records) == 500 and mem.index.count("threads") == 500 and len({r.id for r in records}) == 500
+
+
+def test_ten_threads_adding_and_encoding_at_once_get_every_blob(mem):
+    in_threads(lambda t: mem.add(facts=[f"Thread {t} note {i}: box {t * 10 + i} is blue." for i in range(3)],
+                                 user_id="threads-kv"), 10)
+    records = mem.get_all(user_id="threads-kv", limit=1000)
+    assert len(records) == 30 and mem.index.count("threads-kv") == 30
+    assert sum(mem.kv.exists(r.id) for r in records) == 30
     assert all(r.kv_status == "encoded" for r in records)
 
 
@@ -187,3 +196,36 @@ def test_messages_with_free_text_timestamps_are_stored(mem):
     first, second = (mem.get(i) for i in r.ids)
     assert first.text.startswith("[1:56 pm on 8 May, 2023]") and first.metadata["timestamp"] == "1:56 pm on 8 May, 2023"
     assert first.event_time is None and second.event_time.startswith("2023-05-09T18:00")
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.add(facts=["x"], user_id="u\udfff"),
+    lambda m: m.add(facts=["x"], user_id="bad-input", metadata={"k\ud800": 1}),
+    lambda m: m.add(facts=["x"], user_id="bad-input", metadata={"k": {"deep": ["\ud800"]}}),
+    lambda m: m.add([{"role": "user", "content": "hi \ud800"}], user_id="bad-input"),
+    lambda m: m.add(facts=["x"], user_id="bad-input", context="\ud800"),
+    lambda m: m.search("q \ud800", user_id="bad-input"),
+    lambda m: m.chat("q \ud800", user_id="bad-input", mode="off"),
+])
+def test_lone_surrogates_are_refused_before_anything_is_stored(mem, call):
+    with pytest.raises(InvalidInputError, match="not valid Unicode"):
+        call(mem)
+    assert mem.get_all(user_id="bad-input") == []
+
+
+def test_a_conversation_too_long_to_fit_is_refused_without_tokenizing_it(mem, monkeypatch):
+    huge = "x" * (mem.config.engine.max_model_len * mem.prompts.max_token_chars + 1)
+
+    def no_tokenizing(text):
+        raise AssertionError("tokenized a text that cannot fit")
+
+    monkeypatch.setattr(mem.prompts, "_tokens", no_tokenizing)
+    with pytest.raises(InvalidInputError, match="exceed the model"):
+        mem.chat(huge, user_id="bad-input", mode="off")
+    with pytest.raises(InvalidInputError, match="limit is 256"):
+        mem.add(facts=["y" * (256 * mem.prompts.max_token_chars + 1)], user_id="bad-input")
+
+
+def test_user_text_holding_the_old_prompt_marker_is_plain_text(mem):
+    r = mem.chat("a \x00KVMEM-FACTS\x00 b", user_id="marker", mode="off", max_tokens=2)
+    assert r.prompt_tokens > 0

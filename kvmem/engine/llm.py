@@ -18,19 +18,20 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from kvmem.config import Config
 from kvmem.engine.plan import ENCODE, KEY, Plan
-from kvmem.errors import EngineError
+from kvmem.errors import EngineError, RequestCancelled
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
 
 log = logging.getLogger(__name__)
 
 BLOB_WAIT_S = 30.0  # a blob write takes milliseconds; only a failed one waits this long
+CANCEL_POLL_S = 0.05  # how often a waiting caller looks at its cancel event
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Engine:
         self._blobs = KVStore(config.kv_dir, model.fingerprint, hot_cache_bytes=0)
         self._inbox: queue.Queue[_Pending | None] = queue.Queue()
         self._stopping = False
+        self.aborted = 0  # requests dropped because their caller cancelled them (e.g. a client hung up)
         self._driver = threading.Thread(target=self._drive, name="kvmem-engine", daemon=True)
         self._driver.start()
 
@@ -98,25 +100,51 @@ class Engine:
         self._inbox.put(_Pending(request, future, on_text, time.perf_counter(), blobs=blobs))
         return future
 
-    def run(self, requests: list[EngineRequest]) -> list[EngineResult]:
-        """Submit all requests at once (the engine batches them) and wait for all of them."""
-        return [f.result() for f in [self.submit(r) for r in requests]]
+    def run(self, requests: list[EngineRequest], cancel: threading.Event | None = None) -> list[EngineResult]:
+        """Submit all requests at once (the engine batches them) and wait for all of them.
 
-    def stream(self, request: EngineRequest) -> Iterator[str | EngineResult]:
-        """Text deltas as they are generated, then the EngineResult."""
+        Setting `cancel` aborts those not finished yet (their KV blocks are freed) and raises
+        RequestCancelled.
+        """
+        futures = [self.submit(r) for r in requests]
+        while cancel is not None:
+            done, pending = wait(futures, timeout=CANCEL_POLL_S, return_when=FIRST_EXCEPTION)
+            if not pending or any(f.exception() for f in done):
+                break
+            if cancel.is_set():
+                self.cancel(futures)
+                raise RequestCancelled(f"{len(pending)} of {len(futures)} requests cancelled before they finished")
+        return [f.result() for f in futures]
+
+    def cancel(self, futures: list[Future]) -> None:
+        """Abort these requests in the engine (the driver does it before its next step)."""
+        for f in futures:
+            f.cancel()
+
+    def stream(self, request: EngineRequest, cancel: threading.Event | None = None) -> Iterator[str | EngineResult]:
+        """Text deltas as they are generated, then the EngineResult.
+
+        Closing the generator early, or setting `cancel`, aborts the request in the engine.
+        """
         texts: queue.Queue[str] = queue.Queue()
         future = self.submit(request, texts.put)
         sent = ""
-        while True:
-            try:
-                text = texts.get(timeout=0.05)
-            except queue.Empty:
-                if future.done():
-                    break
-                continue
-            if len(text) > len(sent):
-                yield text[len(sent):]
-                sent = text
+        try:
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise RequestCancelled("the stream was cancelled before it finished")
+                try:
+                    text = texts.get(timeout=CANCEL_POLL_S)
+                except queue.Empty:
+                    if future.done():
+                        break
+                    continue
+                if len(text) > len(sent):
+                    yield text[len(sent):]
+                    sent = text
+        finally:
+            if not future.done():
+                future.cancel()
         result = future.result()
         if len(result.text) > len(sent):
             yield result.text[len(sent):]
@@ -130,6 +158,7 @@ class Engine:
         while not self._stopping:
             try:
                 self._admit(live, block=not live and not awaiting)
+                self._abort_cancelled(live)
                 if live:
                     self._step(live, awaiting)
                 elif awaiting:
@@ -137,11 +166,29 @@ class Engine:
                 awaiting[:] = [p for p in awaiting if not self._resolve_if_written(p)]
             except Exception as e:  # noqa: BLE001 - fail the waiting callers, keep serving
                 log.exception("engine step failed")
+                self._abort(list(live))  # or they would hold KV blocks and be stepped for nobody
                 for p in live.values():
-                    p.future.set_exception(EngineError(f"engine step failed: {e}"))
+                    _fail(p.future, EngineError(f"engine step failed: {e}"))
                 live.clear()
         for p in [*live.values(), *awaiting]:
-            p.future.set_exception(EngineError("the engine shut down before answering"))
+            _fail(p.future, EngineError("the engine shut down before answering"))
+
+    def _abort_cancelled(self, live: dict[str, _Pending]) -> None:
+        gone = [rid for rid, p in live.items() if p.future.cancelled()]
+        if gone:
+            self._abort(gone)
+            for rid in gone:
+                del live[rid]
+            self.aborted += len(gone)
+            log.info("aborted %d cancelled request(s)", len(gone))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        try:
+            self._engine.abort_request(request_ids)
+        except Exception:  # noqa: BLE001 - a broken engine cannot abort; the callers still hear
+            log.exception("aborting %d request(s) failed", len(request_ids))
 
     def _admit(self, live: dict[str, _Pending], block: bool) -> None:
         while True:
@@ -152,12 +199,15 @@ class Engine:
             if item is None:
                 return
             block = False
+            if item.future.cancelled():
+                self.aborted += 1  # cancelled before it reached the engine
+                continue
             rid = uuid.uuid4().hex
             try:
                 self._engine.add_request(rid, _prompt(item.request), _sampling(item.request))
                 live[rid] = item
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
-                item.future.set_exception(e)
+                _fail(item.future, e)
 
     def _step(self, live: dict[str, _Pending], awaiting: list[_Pending]) -> None:
         for out in self._engine.step():
@@ -178,13 +228,20 @@ class Engine:
     def _resolve_if_written(self, p: _Pending) -> bool:
         """Resolve p's future once each of its blob files is a new one (or its wait ran out)."""
         out, done = p.finished
+        if p.future.cancelled():
+            return True  # nobody waits for it any more
         changed = all(self._blobs.stamp(f) not in (None, before) for f, before in p.blobs.items())
         if not changed and time.perf_counter() < done + BLOB_WAIT_S:
             return False
         try:
-            p.future.set_result(_result(out, p, done))
+            result = _result(out, p, done)
         except Exception as e:  # noqa: BLE001 - the caller must hear of it, never hang
-            p.future.set_exception(e)
+            _fail(p.future, e)
+            return True
+        try:
+            p.future.set_result(result)
+        except InvalidStateError:  # cancelled meanwhile: nobody is waiting
+            pass
         return True
 
     def close(self) -> None:
@@ -194,6 +251,14 @@ class Engine:
         self._inbox.put(None)
         self._driver.join(timeout=60)
         self._engine.engine_core.shutdown()
+
+
+def _fail(future: Future, error: BaseException) -> None:
+    """Fail a caller's future unless it was cancelled meanwhile (then nobody is waiting)."""
+    try:
+        future.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 def _start_llm(model: ModelInfo, config: Config):
@@ -217,8 +282,17 @@ def _start_llm(model: ModelInfo, config: Config):
     return LLM(
         model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
         max_num_seqs=ec.max_num_seqs, enable_prefix_caching=True, kv_transfer_config=transfer, seed=ec.seed,
-        gpu_memory_utilization=ec.gpu_memory_utilization, load_format=ec.load_format, enforce_eager=ec.enforce_eager,
+        gpu_memory_utilization=ec.gpu_memory_utilization, load_format=ec.load_format, enforce_eager=_eager(ec),
     )
+
+
+def _eager(ec) -> bool:
+    """EngineConfig.enforce_eager, where None means: eager on CPU, compiled with CUDA graphs on GPUs."""
+    if ec.enforce_eager is not None:
+        return ec.enforce_eager
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _prompt(req: EngineRequest) -> dict:

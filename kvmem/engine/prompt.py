@@ -15,13 +15,13 @@ marker, so any template works.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass
 
 from kvmem.config import PromptConfig
 from kvmem.engine.plan import Segment
 from kvmem.errors import InvalidInputError
 
-_MARK = "\x00KVMEM-FACTS\x00"
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class PromptBuilder:
         head, _ = self._split([{"role": "user", "content": "?"}])
         self.head_ids = tuple(self._tokens(head))
         self.head_id = "sys-" + hashlib.sha256(repr(self.head_ids).encode()).hexdigest()[:20]
+        # No token spells more characters than this: a text of n characters has >= n / it tokens.
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
 
     def fact_tokens(self, text: str) -> tuple[int, ...]:
         if not isinstance(text, str) or not text.strip():
@@ -71,9 +73,13 @@ class PromptBuilder:
 
     def _split(self, messages: list[dict]) -> tuple[str, str]:
         _check_messages(messages)
-        system = {"role": "system", "content": self.config.system_prefix + _MARK + self.config.system_suffix}
+        # A fresh random marker per call: user text cannot contain it, so it cannot move the split.
+        mark = f"\x00KVMEM-FACTS-{secrets.token_hex(16)}\x00"
+        system = {"role": "system", "content": self.config.system_prefix + mark + self.config.system_suffix}
         text = self.tokenizer.apply_chat_template([system, *messages], tokenize=False, add_generation_prompt=True)
-        head, tail = text.split(_MARK)
+        head, found, tail = text.partition(mark)
+        if not found or mark in tail:
+            raise RuntimeError("the chat template must render the system message exactly once")
         return head, tail
 
     def _tokens(self, text: str) -> list[int]:

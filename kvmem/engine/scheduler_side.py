@@ -28,7 +28,7 @@ class Claim:
 
     segments: list[Segment]
     end: int
-    fallbacks: dict[str, str]  # fact id -> reason, for the first blob that could not be used
+    fallbacks: dict[str, str]  # fact id -> reason, for every blob of the plan that cannot be used
     facts_as_text: int  # segments served by text prefill because of that blob
     local_hit: int = 0
     claimed: int = 0
@@ -137,10 +137,13 @@ class SchedulerSide:
         usable: list[Segment] = []
         end = 0
         fallbacks: dict[str, str] = {}
-        for seg in plan.segments:
+        for i, seg in enumerate(plan.segments):
             reason = self._unusable(seg, end, prompt)
             if reason is not None:
                 fallbacks[seg.fact_id] = reason
+                # Only a prefix can be injected, but every later blob is checked too, so one chat
+                # reports (and the service re-encodes) all of a prompt's bad blobs, not the first.
+                fallbacks.update(self._bad_blobs(plan.segments[i + 1 :], prompt))
                 break
             usable.append(seg)
             end = seg.end
@@ -150,6 +153,15 @@ class SchedulerSide:
             log.warning("request %s: %d of %d segments served as text (%s); %d fallbacks so far",
                         request.request_id, as_text, len(plan.segments), fallbacks, self.fallback_total)
         return Claim(usable, min(end, len(prompt) - 1), fallbacks, as_text)
+
+    def _bad_blobs(self, segments, prompt: list[int]) -> dict[str, str]:
+        """fact id -> reason for each of these segments whose blob cannot serve its tokens."""
+        bad = {}
+        for seg in segments:
+            reason = self._unusable(seg, seg.start, prompt)
+            if reason is not None:
+                bad[seg.fact_id] = reason
+        return bad
 
     def _unusable(self, seg: Segment, expected_start: int, prompt: list[int]) -> str | None:
         if seg.start != expected_start:

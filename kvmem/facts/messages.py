@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmem.errors import InvalidInputError
+from kvmem.facts.text import check_unicode
 
 ROLES = ("user", "assistant", "system")
 
@@ -53,6 +54,10 @@ def check_messages(messages) -> None:
             raise InvalidInputError(f"message {i}: role must be one of {ROLES}, got {m.get('role')!r}")
         if not isinstance(m.get("content"), str):
             raise InvalidInputError(f"message {i}: content must be a string, got {type(m.get('content')).__name__}")
-        ts = m.get("timestamp")
-        if ts is not None and not isinstance(ts, str):
-            raise InvalidInputError(f"message {i}: timestamp must be a string, got {type(ts).__name__}")
+        check_unicode(f"message {i} content", m["content"])
+        for field in ("name", "timestamp"):
+            value = m.get(field)
+            if value is not None and not isinstance(value, str):
+                raise InvalidInputError(f"message {i}: {field} must be a string, got {type(value).__name__}")
+            if value is not None:
+                check_unicode(f"message {i} {field}", value)

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from kvmem.errors import InvalidInputError
+from kvmem.facts.text import check_unicode
 
 
 def check_scope_field(name: str, value: object, *, required: bool) -> str | None:
@@ -19,7 +20,7 @@ def check_scope_field(name: str, value: object, *, required: bool) -> str | None
     if not isinstance(value, str) or not value.strip():
         need = "a non-empty string" if required else "None or a non-empty string"
         raise InvalidInputError(f"{name} must be {need}, got {value!r}")
-    return value
+    return check_unicode(name, value)
 
 
 @dataclass(frozen=True)

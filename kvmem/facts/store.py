@@ -41,6 +41,7 @@ import numpy as np
 
 from kvmem.errors import InvalidInputError, KvmemError, UnknownFactError
 from kvmem.facts.scope import Scope, check_scope_field
+from kvmem.facts.text import check_fact_text, check_nested
 from kvmem.kv.store import check_fact_id
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 KV_STATUSES = ("pending", "encoded", "failed")
 SOURCES = ("fact", "messages")
 MAX_LIMIT = 10_000
+MAX_OFFSET = (1 << 63) - 1  # SQLite's largest integer: OFFSET overflows beyond it
 SCHEMA_VERSION = 1
 _CHUNK = 1000  # rows per lock hold when streaming, so long scans never starve writers
 
@@ -554,9 +556,7 @@ def _check_item(item: object) -> dict[str, Any]:
 
 
 def _check_text(text: object) -> str:
-    if not isinstance(text, str) or not text.strip():
-        raise InvalidInputError("fact text must be a non-empty string")
-    return text.strip()
+    return check_fact_text(text, "fact text").strip()
 
 
 def _metadata_json(metadata: object) -> str:
@@ -565,6 +565,7 @@ def _metadata_json(metadata: object) -> str:
     problem = "metadata must be a JSON-serializable dict with str keys"
     if not isinstance(metadata, dict):
         raise InvalidInputError(f"{problem}, got {type(metadata).__name__}")
+    check_nested("metadata", metadata)
     try:
         encoded = json.dumps(metadata, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -590,8 +591,8 @@ def _check_event_time(value: object) -> str | None:
 def _check_page(limit: object, offset: object) -> None:
     if not _is_int(limit) or not 1 <= limit <= MAX_LIMIT:  # type: ignore[operator]
         raise InvalidInputError(f"limit must be an int in 1..{MAX_LIMIT}, got {limit!r}")
-    if not _is_int(offset) or offset < 0:  # type: ignore[operator]
-        raise InvalidInputError(f"offset must be an int >= 0, got {offset!r}")
+    if not _is_int(offset) or not 0 <= offset <= MAX_OFFSET:  # type: ignore[operator]
+        raise InvalidInputError(f"offset must be an int in 0..{MAX_OFFSET}, got {offset!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -102,6 +102,25 @@ def verify_blob(data: bytes | bytearray, fact_id: str, fingerprint: str) -> tupl
     return _verified(data, fact_id, fingerprint)[0]
 
 
+def check_header(header: dict, body_size: int, fact_id: str, fingerprint: str) -> None:
+    """The cheap check (no checksum): is a blob with this parsed header and data size whole, this
+    fact's and this model's? Raises BlobError(CORRUPT | STALE). Finds truncated, empty and
+    swapped files at start-up without reading their tensors."""
+    meta = header.get("__metadata__") or {}
+    if meta.get("kvmem_format") != str(KV_FORMAT_VERSION) or meta.get("layout") != LAYOUT:
+        raise BlobError(fact_id, BlobError.STALE, f"format {meta.get('kvmem_format')}/{meta.get('layout')}")
+    if meta.get("fact_id") != fact_id:
+        raise BlobError(fact_id, BlobError.CORRUPT, f"holds fact {meta.get('fact_id')!r}")
+    if meta.get("fingerprint") != fingerprint:
+        raise BlobError(fact_id, BlobError.STALE, f"written for model {str(meta.get('fingerprint'))[:12]}")
+    try:
+        end = max((info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError) as e:
+        raise BlobError(fact_id, BlobError.CORRUPT, f"bad tensor table: {e}") from None
+    if end != body_size:
+        raise BlobError(fact_id, BlobError.CORRUPT, f"{body_size} data bytes, the header says {end}")
+
+
 def _verified(data, fact_id: str, fingerprint: str) -> tuple[tuple[int, ...], list]:
     try:
         header_len = int.from_bytes(data[:8], "little")

@@ -8,6 +8,7 @@ The scheduler only checks blobs (token_ids()): that keeps no tensors, just the v
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -16,8 +17,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvmem.errors import BlobError, InvalidInputError
-from kvmem.kv.blob import KVBlob, decode_blob, encode_blob, verify_blob
+from kvmem.kv.blob import KVBlob, check_header, decode_blob, encode_blob, verify_blob
 
+_MAX_HEADER = 64 << 20  # safetensors' own bound on a header
 _VERIFIED_ENTRIES = 200_000  # token ids of checked blobs: ~1 KB each at most
 _FACT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -121,6 +123,21 @@ class KVStore:
 
     def exists(self, fact_id: str) -> bool:
         return self.path(fact_id).is_file()
+
+    def intact(self, fact_id: str) -> bool:
+        """Header-only check (no checksum, tensors not read): the file is whole, this fact's, this
+        model's. Cheap enough for every blob at start-up; token_ids() is the full check."""
+        try:
+            with self.path(fact_id).open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                n = int.from_bytes(f.read(8), "little")
+                if size < 8 or n > min(size - 8, _MAX_HEADER):
+                    return False
+                header = json.loads(f.read(n))
+            check_header(header, size - 8 - n, fact_id, self.fingerprint)
+            return True
+        except (OSError, ValueError, AttributeError, BlobError):
+            return False
 
     def delete(self, fact_id: str) -> bool:
         with self._lock:

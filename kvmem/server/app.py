@@ -51,8 +51,9 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
         yield
         await run_in_threadpool(runtime.close, settings.graceful_timeout_s)
 
+    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="kvmem", summary="OpenAI-compatible chat with memory; Mem0-shaped memory API",
-                  lifespan=lifespan)
+                  lifespan=lifespan, **docs)
     app.state.settings = settings
     app.state.runtime = runtime
     app.state.keys = KeyRing(settings.api_keys)

@@ -42,7 +42,7 @@ def from_invalid_input(e: InvalidInputError, param: str | None = None) -> ApiErr
     text = str(e)
     if "limit is" in text or "too long" in text:
         return ApiError(413, text, param=param, code="fact_too_large")
-    if "exceeds the model" in text or "do not fit" in text:
+    if ("exceed" in text and "the model" in text) or "do not fit" in text:
         return ApiError(422, text, param=param, code="context_length_exceeded")
     return ApiError(400, text, param=param or _guess_param(text), code="invalid_value")
 

@@ -6,8 +6,10 @@ store bytes, facts) are read from KVMem when /metrics is scraped.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvmem.errors import InvalidInputError
 from kvmem.facts.store import MAX_LIMIT
@@ -43,8 +45,14 @@ class Metrics:
 
 
 class _StoreCollector:
+    """Store gauges read at scrape time, at most once per STORE_TTL_S (a blob folder of 100k
+    files costs a stat each): a burst of scrapes reads the store once."""
+
+    STORE_TTL_S = 2.0
+
     def __init__(self, runtime) -> None:
         self.runtime = runtime
+        self._store: tuple[float, int, int, int] | None = None  # (when, queue depth, kv bytes, facts)
 
     def describe(self):
         return []  # computed at scrape time; nothing to check at registration
@@ -53,10 +61,15 @@ class _StoreCollector:
         mem = self.runtime.mem
         if mem is None:
             return
-        yield GaugeMetricFamily("kvmem_encode_queue_depth", "Facts waiting for their KV to be encoded",
-                                value=queue_depth(mem))
-        yield GaugeMetricFamily("kvmem_kv_store_bytes", "Bytes of KV blobs on disk", value=mem.kv.total_bytes())
-        yield GaugeMetricFamily("kvmem_facts", "Facts stored (all tenants)", value=mem.facts.count())
+        now = time.monotonic()
+        if self._store is None or now - self._store[0] > self.STORE_TTL_S:
+            self._store = (now, queue_depth(mem), mem.kv.total_bytes(), mem.facts.count())
+        _, depth, kv_bytes, facts = self._store
+        yield GaugeMetricFamily("kvmem_encode_queue_depth", "Facts waiting for their KV to be encoded", value=depth)
+        yield GaugeMetricFamily("kvmem_kv_store_bytes", "Bytes of KV blobs on disk", value=kv_bytes)
+        yield GaugeMetricFamily("kvmem_facts", "Facts stored (all tenants)", value=facts)
+        yield CounterMetricFamily("kvmem_requests_aborted", "Engine requests aborted because their caller went away",
+                                  value=getattr(getattr(mem, "engine", None), "aborted", 0))
 
 
 def queue_depth(mem) -> int:

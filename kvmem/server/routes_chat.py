@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from functools import partial
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kvmem.errors import RequestCancelled
 
 from kvmem.server.chat_format import chat_kwargs, completion, kvmem_messages, new_meta
 from kvmem.server.errors import ApiError
@@ -44,12 +49,25 @@ async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentT
         return await open_stream(rt, mem, messages, kwargs, meta=meta, include_usage=include_usage,
                                  on_result=lambda r: state.metrics.observe_chat(r, True),
                                  request_id=request.state.request_id, release=release)
+    cancel = threading.Event()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
     try:
-        result = await rt.call(partial(mem.chat, messages, **kwargs))
+        result = await rt.call(partial(mem.chat, messages, cancel=cancel, **kwargs))
+    except RequestCancelled:
+        return Response(status_code=499)  # nobody is left to read it
     finally:
+        watcher.cancel()
         rt.gate.leave()
     state.metrics.observe_chat(result, False)
     return completion(meta, result, kwargs["max_tokens"])
+
+
+async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Sets `cancel` when the client goes away, so the engine aborts the generation and frees
+    the chat's slot and KV blocks (the body is already read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancel.set()
 
 
 def _enter(rt, metrics) -> None:

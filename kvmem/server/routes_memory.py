@@ -11,6 +11,7 @@ from functools import partial
 from fastapi import APIRouter, Query, Request
 
 from kvmem.errors import UnknownFactError
+from kvmem.facts.store import MAX_OFFSET
 from kvmem.server import views
 from kvmem.server.errors import ApiError, not_found
 from kvmem.server.schemas import AddMemories, SearchMemories, UpdateMemory
@@ -68,7 +69,7 @@ async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenan
 @router.get("/", include_in_schema=False)
 async def list_memories(request: Request, tenant: CurrentTenant, user_id: str, agent_id: str | None = None,
                         run_id: str | None = None, limit: int = Query(100, ge=1, le=1000),
-                        offset: int = Query(0, ge=0)) -> dict:
+                        offset: int = Query(0, ge=0, le=MAX_OFFSET)) -> dict:
     rt, mem = _runtime(request)
     scope = {"user_id": tenant.user_id(user_id), "agent_id": agent_id, "run_id": run_id}
     records = await rt.call(partial(mem.get_all, **scope, limit=limit, offset=offset))

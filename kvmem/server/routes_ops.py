@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import anyio
+import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from kvmem.server.errors import ApiError
 from kvmem.server.metrics import CONTENT_TYPE
@@ -25,5 +26,10 @@ async def health(request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body = await run_in_threadpool(request.app.state.metrics.render)  # reads SQLite and the KV folder
+    """Rendered on a thread of its own, never queued behind the KVMem calls that fill the shared
+    pool: a scrape must answer while the server is busiest."""
+    state = request.app.state
+    if getattr(state, "metrics_limiter", None) is None:
+        state.metrics_limiter = anyio.CapacityLimiter(1)
+    body = await anyio.to_thread.run_sync(state.metrics.render, limiter=state.metrics_limiter)
     return Response(body, media_type=CONTENT_TYPE)

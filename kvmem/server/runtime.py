@@ -47,6 +47,7 @@ class Runtime:
         self._active = 0
         self.mem = None
         self.error: str | None = None
+        self.loaded = threading.Event()  # set once loading ended, ready or failed
         self.gate = Gate(max_inflight)
 
     def start(self) -> None:
@@ -54,6 +55,12 @@ class Runtime:
         self._thread.start()
 
     def _load(self) -> None:
+        try:
+            self._load_mem()
+        finally:
+            self.loaded.set()
+
+    def _load_mem(self) -> None:
         started = time.perf_counter()
         try:
             mem = self._factory()

@@ -47,6 +47,9 @@ class ServerSettings:
     graceful_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     allow_public_without_keys: bool = False
     served_model_name: str | None = None  # default: the model given, or the bundled model's name
+    # /docs, /redoc and /openapi.json, served without a key: they describe the API and hold no
+    # tenant's data. False removes all three (for servers that must not advertise their API).
+    docs: bool = True
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant
 
     def __post_init__(self) -> None:

@@ -9,11 +9,12 @@ The chat slot taken from the gate is released when the response ends, however it
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 
 from starlette.responses import StreamingResponse
 
-from kvmem.errors import InvalidInputError
+from kvmem.errors import InvalidInputError, RequestCancelled
 from kvmem.server.chat_format import chunk, finish_reason, memory_info, sse, usage
 from kvmem.server.errors import ApiError, from_invalid_input
 
@@ -49,6 +50,8 @@ class _SlotStream(StreamingResponse):
 async def open_stream(rt, mem, messages, kwargs, *, meta, include_usage, on_result, request_id, release):
     """The StreamingResponse; `release` (async) runs exactly once, when it is over (or failed to start)."""
     items = None
+    cancel = threading.Event()
+    kwargs = {**kwargs, "cancel": cancel}
     try:
         items = await rt.call(_items, mem, messages, kwargs)
         first = await rt.call(next, items, _END)
@@ -58,6 +61,7 @@ async def open_stream(rt, mem, messages, kwargs, *, meta, include_usage, on_resu
         raise
 
     async def done() -> None:
+        cancel.set()  # a client gone mid-stream: the engine aborts (after the end: nothing to abort)
         await _close(rt, items)
         await release()
 
@@ -77,6 +81,8 @@ async def _events(rt, items, item, meta, include_usage, on_result, request_id, m
     except InvalidInputError as e:
         yield sse(from_invalid_input(e).body())
         return
+    except RequestCancelled:
+        return  # the client went away
     except Exception:  # noqa: BLE001 - the status is sent; report in-band, with the request id
         log.exception("request %s failed while streaming", request_id)
         yield sse(ApiError(500, f"internal error; request id {request_id} (it is in the server log)",

@@ -15,6 +15,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from kvmem.errors import InvalidInputError
+from kvmem.facts.text import check_unicode
 from kvmem.server.errors import ApiError
 from kvmem.server.settings import SEP
 
@@ -29,6 +31,10 @@ class Tenant:
             raise ApiError(400, f"{param} must be a non-empty string", param=param, code="invalid_value")
         if SEP in user_id:
             raise ApiError(400, f"{param} must not contain {SEP!r}", param=param, code="invalid_value")
+        try:
+            check_unicode(param, user_id)
+        except InvalidInputError as e:
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
         return f"{self.name}{SEP}{user_id}" if self.name else user_id
 
     def owns(self, stored_user_id: str) -> bool:

@@ -75,7 +75,26 @@ def test_claim_stops_before_a_missing_or_mismatched_blob(tmp_path):
     req = request(PROMPT, SEGS)
     assert side.get_num_new_matched_tokens(req, 0) == (4, False)  # "a" holds other tokens
     info = side.request_finished(req)[1]["kvmem"]
-    assert info["fallbacks"] == {"a": "mismatch"} and info["facts_as_text"] == 2
+    assert info["fallbacks"] == {"a": "mismatch", "b": "missing"} and info["facts_as_text"] == 2
+
+
+def test_one_claim_reports_every_bad_blob_of_the_prompt(tmp_path):
+    """Zero-length, swapped and bit-flipped blobs all found by one request (was: the first only)."""
+    segs = [Segment("head", 0, 4), Segment("a", 4, 6), Segment("b", 10, 6), Segment("c", 16, 6), Segment("d", 22, 6)]
+    store = store_with(tmp_path, {"head": PROMPT[0:4], "a": PROMPT[4:10], "b": PROMPT[10:16],
+                                  "c": PROMPT[16:22], "d": PROMPT[22:28]})
+    store.path("a").write_bytes(b"")
+    store.path("b").write_bytes(store.path("c").read_bytes())  # c's blob under b's name
+    raw = bytearray(store.path("d").read_bytes())
+    raw[-1] ^= 0xFF
+    store.path("d").write_bytes(bytes(raw))
+    store.path("c").unlink()
+    side = SchedulerSide(store, 8)
+    req = request(PROMPT, segs)
+    assert side.get_num_new_matched_tokens(req, 0) == (4, False)
+    info = side.request_finished(req)[1]["kvmem"]
+    assert info["fallbacks"] == {"a": "corrupt", "b": "corrupt", "c": "missing", "d": "corrupt"}
+    assert info["facts_as_text"] == 4
 
 
 def test_never_claims_the_last_prompt_token(tmp_path):

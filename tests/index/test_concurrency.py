@@ -56,14 +56,23 @@ def test_readers_and_writers_together():
     assert ix.count("stable") == 200
 
 
+def _until(check, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
 def test_rwlock_readers_share_writers_exclude():
+    """No sleeps: readers hold the lock until released; the writer is seen queued before that."""
     lock, log, lock_log = RWLock(), [], threading.Lock()
-    both_reading = threading.Barrier(3, timeout=5)  # two readers and this thread
+    both_reading = threading.Barrier(3, timeout=30)  # two readers and this thread
+    release = threading.Event()
 
     def read():
         with lock.read():
             both_reading.wait()  # times out unless both readers hold the lock at once
-            time.sleep(0.05)
+            release.wait(30)
             with lock_log:
                 log.append("r")
 
@@ -71,7 +80,6 @@ def test_rwlock_readers_share_writers_exclude():
         with lock.write():
             with lock_log:
                 log.append("w-in")
-            time.sleep(0.05)
             with lock_log:
                 log.append("w-out")
 
@@ -81,6 +89,9 @@ def test_rwlock_readers_share_writers_exclude():
     both_reading.wait()
     w = threading.Thread(target=write)
     w.start()
+    _until(lambda: lock._writers_waiting == 1, "the writer to queue")
+    assert log == []  # queued behind the readers, not inside
+    release.set()
     for t in readers + [w]:
-        t.join(timeout=5)
+        t.join(timeout=30)
     assert log == ["r", "r", "w-in", "w-out"]  # the writer waited for both readers

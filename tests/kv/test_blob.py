@@ -132,3 +132,15 @@ def test_token_ids_check_agrees_with_a_full_decode(tmp_path):
     with pytest.raises(BlobError) as e:
         store.token_ids("f1")
     assert e.value.reason == BlobError.MISSING
+
+
+def test_header_check_finds_empty_truncated_swapped_and_foreign_files(tmp_path):
+    store = KVStore(tmp_path, FP)
+    for i, fact_id in enumerate(["ok", "empty", "short", "swapped", "other"]):
+        store.put(make_blob(fact_id, seed=i))
+    store.path("empty").write_bytes(b"")
+    store.path("short").write_bytes(store.path("short").read_bytes()[:-3])
+    store.path("swapped").write_bytes(store.path("ok").read_bytes())
+    KVStore(tmp_path, "b" * 64).put(make_blob("other", fp="b" * 64))  # another model's blob
+    store.path("other").write_bytes(KVStore(tmp_path, "b" * 64).path("other").read_bytes())
+    assert [f for f in ["ok", "empty", "short", "swapped", "other", "never"] if store.intact(f)] == ["ok"]

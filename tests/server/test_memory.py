@@ -10,11 +10,13 @@ CONVERSATION = [{"role": "user", "content": "I moved to Porto last month."},
 
 
 def wait_encoded(client, user: str, timeout: float = 120.0) -> list[dict]:
+    """The user's facts once all are encoded; fails (never returns) if they are not in time."""
     deadline = time.monotonic() + timeout
     while True:
         facts = client.get("/v1/memories", params={"user_id": user, "limit": 1000}).json()["results"]
-        if all(f["kv_status"] == "encoded" for f in facts) or time.monotonic() > deadline:
+        if all(f["kv_status"] == "encoded" for f in facts):
             return facts
+        assert time.monotonic() < deadline, f"not encoded after {timeout} s: {[f['kv_status'] for f in facts]}"
         time.sleep(0.5)
 
 

@@ -35,10 +35,8 @@ def client(factory=FakeMem, **settings) -> TestClient:
 
 
 def wait_loaded(c: TestClient) -> None:
-    for _ in range(100):
-        if c.app.state.runtime.mem is not None:
-            return
-        time.sleep(0.01)
+    runtime = c.app.state.runtime
+    assert runtime.loaded.wait(30) and runtime.mem is not None, runtime.error
 
 
 def test_unexpected_error_is_500_with_request_id_in_log(caplog):
@@ -203,3 +201,59 @@ def test_open_server_says_so_at_start(cli_env, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="kvmem.server"):
         assert serve_main(["--port", "8123"]) == 0
     assert any("OPEN" in r.getMessage() and "loopback only" in r.getMessage() for r in caplog.records)
+
+
+class BlockingMem:
+    """Each add blocks until `release` is set: a server whose thread pool is full."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.release, self.entered, self._lock = threading.Event(), 0, threading.Lock()
+        self.kv, self.facts = SimpleNamespace(total_bytes=lambda: 0), SimpleNamespace(count=lambda: 0)
+
+    def add(self, *args, **kw):
+        from kvmem.results import AddResult
+
+        with self._lock:
+            self.entered += 1
+        self.release.wait(60)
+        return AddResult((), 0, 0, None)
+
+    def close(self):
+        self.release.set()
+
+
+def test_metrics_answer_while_every_pool_thread_is_busy():
+    """/metrics used to queue behind the KVMem calls (4.4 s under 200 concurrent adds)."""
+    mem = BlockingMem()
+    with client(lambda: mem, max_inflight=1) as c:
+        wait_loaded(c)
+        threads = c.app.state.settings.max_inflight + 32  # the pool's size (app.py)
+        adds = [threading.Thread(target=c.post, args=("/v1/memories",), kwargs={"json": {"user_id": "u", "facts": ["x"]}})
+                for _ in range(threads + 8)]
+        for t in adds:
+            t.start()
+        deadline = time.monotonic() + 60
+        while mem.entered < threads:  # every pool thread now waits in add()
+            assert time.monotonic() < deadline, f"only {mem.entered} adds started"
+            time.sleep(0.01)
+        scrape = {}
+        scraper = threading.Thread(target=lambda: scrape.setdefault("r", c.get("/metrics")))
+        scraper.start()
+        scraper.join(30)
+        answered = "r" in scrape
+        mem.release.set()
+        for t in (*adds, scraper):
+            t.join(60)
+        assert answered, "/metrics waited for the busy pool"
+        assert scrape["r"].status_code == 200 and "kvmem_inflight_chats" in scrape["r"].text
+
+
+@pytest.mark.parametrize("docs", [True, False])
+def test_api_docs_are_public_unless_turned_off(docs):
+    with client(docs=docs) as c:
+        c.headers.pop("Authorization")
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert c.get(path).status_code == (200 if docs else 404), path
+        assert_error(c.get("/v1/models"), 401)  # the API itself still needs a key

@@ -1,0 +1,55 @@
+"""Which strings kvmem accepts: valid Unicode everywhere, and facts that show something.
+
+A JSON client can send a lone UTF-16 surrogate ("a\\ud800"); Python keeps it in a str, but
+SQLite, the tokenizer and hashing all need UTF-8 and would fail deep inside. So every string
+that enters the service is checked here first, and refused with a message naming its field.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+from kvmem.errors import InvalidInputError
+
+# Categories that render as nothing: controls, format characters (zero-width, BOM), surrogates,
+# private use, unassigned, and separators (spaces, line and paragraph breaks).
+_INVISIBLE = {"Cc", "Cf", "Cs", "Co", "Cn", "Zs", "Zl", "Zp"}
+
+
+def check_unicode(name: str, value: str) -> str:
+    """`value` if it encodes as UTF-8, else InvalidInputError naming `name` and the position."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"{name} is not valid Unicode text: a lone surrogate "
+                                f"{value[e.start]!a} at character {e.start}") from None
+    return value
+
+
+def check_nested(name: str, value: object) -> None:
+    """check_unicode over every string in a JSON-like value: dict keys and values, list items."""
+    if isinstance(value, str):
+        check_unicode(name, value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_unicode(f"{name} key", key)
+            check_nested(name, item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_nested(name, item)
+
+
+def visible(text: str) -> bool:
+    """True when some character of `text` would be seen (not only controls, zero-widths, spaces)."""
+    return any(unicodedata.category(c) not in _INVISIBLE for c in text)
+
+
+def check_fact_text(text: object, name: str = "fact") -> str:
+    """A fact's text: a string, valid Unicode, with at least one visible character."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidInputError(f"{name} must be a non-empty string")
+    check_unicode(name, text)
+    if not visible(text):
+        raise InvalidInputError(f"{name} has no visible characters (only controls, zero-width or spaces)")
+    return text
