@@ -264,6 +264,7 @@ class KVMem:
         """Teacher forcing: the logprob of each token of `answer` as the reply, with these facts."""
         if not isinstance(answer, str) or not answer.strip():
             raise InvalidInputError("answer must be a non-empty string")
+        check_unicode("answer", answer)
         facts, request, _ = self._prepare(messages, user_id, None, None, 1, None, fact_ids, mode, 1, None)
         answer_ids = tuple(self.prompts.context_tokens(answer.strip()))
         # A salt of its own: a cached block must never cover the answer, whose positions would then
@@ -280,6 +281,10 @@ class KVMem:
 
         if mode not in MODES:
             raise InvalidInputError(f"mode must be one of {MODES}, got {mode!r}")
+        if not _positive_int(max_tokens):
+            raise InvalidInputError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if logprobs is not None and not (_positive_int(logprobs) or logprobs == 0):
+            raise InvalidInputError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
         check_messages(messages)
         self._check_fits(messages, max_tokens)
@@ -309,6 +314,8 @@ class KVMem:
         if mode == "off":
             return []
         if fact_ids is not None:
+            if not isinstance(fact_ids, (list, tuple)):
+                raise InvalidInputError(f"fact_ids must be a list of fact ids, got {type(fact_ids).__name__}")
             facts = [self.facts.get(i) for i in fact_ids]
             foreign = [f.id for f in facts if f.scope.user_id != user_id]
             if foreign:
@@ -370,6 +377,10 @@ class KVMem:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _iso_or_none(timestamp: str | None) -> str | None:

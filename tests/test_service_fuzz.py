@@ -75,14 +75,19 @@ def refused_or_ok(m, call) -> None:
         assert snapshot(m) == before, "a refused call changed the store"
 
 
-def fact_ids_of(m):
-    """Ids that exist in `m` now, mixed with made-up ones."""
+# A fact id: ("known", i) picks the i-th fact stored when the call runs (so generation never
+# depends on the store's state, which hypothesis requires); ("raw", v) is v itself.
+id_choices = st.one_of(st.integers(0, 1000).map(lambda i: ("known", i)), ids.map(lambda v: ("raw", v)))
+
+
+def resolve(m, choice) -> object:
+    if not isinstance(choice, tuple):
+        return choice  # drawn from `anything`: passed as it is
+    kind, value = choice
+    if kind == "raw":
+        return value
     known = [r.id for r in m._all_records()]
-    return st.one_of(st.sampled_from(known), ids) if known else ids
-
-
-def some_id(m, data) -> object:
-    return data.draw(fact_ids_of(m))
+    return known[value % len(known)] if known else "f-none"
 
 
 @fuzz(120)
@@ -110,29 +115,30 @@ def test_get_all(fuzz_mem, user_id, run_id, limit, offset, filters):
 
 
 @fuzz(60)
-@given(data=st.data(), text=st.one_of(texts, anything), metadata=st.one_of(st.none(), json_like))
-def test_get_history_update(fuzz_mem, data, text, metadata):
-    fact_id = some_id(fuzz_mem, data)
+@given(choice=id_choices, text=st.one_of(texts, anything), metadata=st.one_of(st.none(), json_like))
+def test_get_history_update(fuzz_mem, choice, text, metadata):
+    fact_id = resolve(fuzz_mem, choice)
     refused_or_ok(fuzz_mem, lambda: fuzz_mem.get(fact_id))
     refused_or_ok(fuzz_mem, lambda: fuzz_mem.history(fact_id))
     refused_or_ok(fuzz_mem, lambda: fuzz_mem.update(fact_id, text, metadata=metadata))
 
 
 @fuzz(40)
-@given(data=st.data(), user_id=ids, agent_id=ids)
-def test_delete_and_delete_all(fuzz_mem, data, user_id, agent_id):
-    fact_id = some_id(fuzz_mem, data)
-    refused_or_ok(fuzz_mem, lambda: fuzz_mem.delete(fact_id if data.draw(st.booleans()) else "f-" + str(fact_id)))
+@given(choice=id_choices, user_id=ids, agent_id=ids)
+def test_delete_and_delete_all(fuzz_mem, choice, user_id, agent_id):
+    fact_id = resolve(fuzz_mem, choice)
+    refused_or_ok(fuzz_mem, lambda: fuzz_mem.delete(fact_id))
     if user_id != "fuzz-user":
         refused_or_ok(fuzz_mem, lambda: fuzz_mem.delete_all(user_id=user_id, agent_id=agent_id))
 
 
 @fuzz(50)
-@given(data=st.data(), messages=messages, user_id=st.one_of(st.just("fuzz-user"), ids), k=small_ints,
+@given(messages=messages, user_id=st.one_of(st.just("fuzz-user"), ids), k=small_ints,
        mode=st.one_of(st.sampled_from(["kv", "text", "off"]), texts), max_tokens=tokens_out,
-       filters=st.one_of(st.none(), json_like), stream=st.booleans())
-def test_chat_and_chat_stream(fuzz_mem, data, messages, user_id, k, mode, max_tokens, filters, stream):
-    fact_ids = data.draw(st.one_of(st.none(), st.lists(fact_ids_of(fuzz_mem), max_size=2)))
+       filters=st.one_of(st.none(), json_like), stream=st.booleans(),
+       choices=st.one_of(st.none(), st.lists(id_choices, max_size=2), anything))
+def test_chat_and_chat_stream(fuzz_mem, messages, user_id, k, mode, max_tokens, filters, stream, choices):
+    fact_ids = [resolve(fuzz_mem, c) for c in choices] if isinstance(choices, list) else choices
 
     def call():
         kw = dict(user_id=user_id, k=k, mode=mode, max_tokens=max_tokens, filters=filters, fact_ids=fact_ids)
@@ -146,7 +152,8 @@ def test_chat_and_chat_stream(fuzz_mem, data, messages, user_id, k, mode, max_to
 
 
 @fuzz(30)
-@given(data=st.data(), messages=messages, answer=st.one_of(texts, anything), mode=st.sampled_from(["kv", "text", "x"]))
-def test_score(fuzz_mem, data, messages, answer, mode):
-    fact_ids = data.draw(st.one_of(st.lists(fact_ids_of(fuzz_mem), max_size=2), anything))
+@given(messages=messages, answer=st.one_of(texts, anything), mode=st.sampled_from(["kv", "text", "x"]),
+       choices=st.one_of(st.lists(id_choices, max_size=2), anything))
+def test_score(fuzz_mem, messages, answer, mode, choices):
+    fact_ids = [resolve(fuzz_mem, c) for c in choices] if isinstance(choices, list) else choices
     refused_or_ok(fuzz_mem, lambda: fuzz_mem.score(messages, answer, user_id="fuzz-user", fact_ids=fact_ids, mode=mode))

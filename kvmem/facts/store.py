@@ -600,8 +600,13 @@ def _is_int(value: object) -> bool:
 
 
 def _id(fact_id: object) -> str:
+    """A fact id to look up: anything that is not valid text cannot name a fact."""
     if not isinstance(fact_id, str):
         raise UnknownFactError(fact_id)  # type: ignore[arg-type]
+    try:
+        fact_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnknownFactError(ascii(fact_id)) from None
     return fact_id
 
 
