@@ -55,10 +55,16 @@ def _guess_param(text: str) -> str | None:
     return None
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def validation_param(loc: tuple) -> str | None:
-    """('body', 'messages', 0, 'role') -> 'messages[0].role'."""
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; pydantic's union member tags
+    ('messages', 'str') and ('messages', 'list[MemoryMessage]') name no field and are dropped."""
     out = ""
     for part in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
+        if isinstance(part, str) and (part in _UNION_TAGS or "[" in part):
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or None
 

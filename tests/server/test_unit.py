@@ -110,6 +110,8 @@ def test_invalid_input_statuses(message, status):
 def test_validation_param_names_the_field():
     assert validation_param(("body", "messages", 0, "role")) == "messages[0].role"
     assert validation_param(("query", "limit")) == "limit"
+    assert validation_param(("body", "messages", "str")) == "messages"
+    assert validation_param(("body", "messages", "list[MemoryMessage]", 0, "role")) == "messages[0].role"
 
 
 def test_gate_refuses_above_its_bound():
