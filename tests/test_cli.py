@@ -128,7 +128,7 @@ def test_forget_by_id_and_all(kvmem):
 
 def test_bad_input_exits_1_with_the_error_on_stderr(kvmem):
     rc, out, err = kvmem("add", "--user", "alice", "--no-encode", DOG, "   ")
-    assert rc == 1 and err.strip() == "kvmem: a fact must be a non-empty string"
+    assert rc == 1 and err.strip() == "kvmem: fact must be a non-empty string"
     assert search_json(kvmem, "dog") == []  # nothing half-stored
 
     rc, _, err = kvmem("add", "--user", "alice", "--no-encode", "--metadata", "{not json", DOG)
