@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,15 +33,18 @@ def resolve_model(model: str | None, models_dir: Path, dtype: str = "bfloat16") 
         path = _download(model, models_dir)
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a HF model folder: it has no config.json")
-    cfg = json.loads((path / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
+    from transformers import AutoConfig
+
+    # transformers' config maps each family's own names (GPT-J's n_head, n_layer) to the common ones.
+    cfg = AutoConfig.from_pretrained(path)
+    heads = cfg.num_attention_heads
     return ModelInfo(
         path=path,
         fingerprint=fingerprint(path, dtype),
         dtype=dtype,
-        num_layers=cfg["num_hidden_layers"],
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_size=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
     )
 
 

@@ -1,0 +1,92 @@
+"""Model families on the CPU: tiny configs with random weights, the k=1 oracle on each.
+
+Measured (2026-12-01): Llama 3.1, Qwen 2.5, Qwen 3 and Phi-3 inject exactly (gap 0.0000, bf16);
+GPT-J does not yet (KNOWN_BAD, a strict xfail: it turns red once fixed).
+
+Each family brings its own rotary and attention details (Llama 3.1's rope scaling, Qwen 2.5's
+q/k bias, Qwen 3's q/k norm, Phi-3's partial rotary, GPT-J's interleaved rotation); random
+weights exercise them as well as trained ones do, since the oracle compares the engine with
+itself: injected KV against text prefill of the same tokens. All reuse SmolLM2's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.engine.test_injection import FACTS, logprob_gap
+
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "torch_dtype": "bfloat16",
+        "initializer_range": 0.2}  # sharper than the usual 0.02, so logprobs differ between tokens
+
+FAMILIES = {
+    "llama3.1": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": 64, "rope_theta": 500000.0,
+                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}},
+    "qwen2.5": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0,
+                "use_sliding_window": False},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64, "rope_theta": 1000000.0},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rope_theta": 10000.0,
+             "partial_rotary_factor": 0.5},
+    "gptj": {"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 256, "n_head": 4, "n_layer": 2,
+             "n_positions": 4096, "rotary_dim": 32, "n_inner": 512, "tie_word_embeddings": False},
+}
+
+
+def make_model_dir(root: Path, family: str, tokenizer_dir: Path) -> Path:
+    """A tiny model of `family` with random weights saved by transformers (vLLM's own dummy
+    weights are all within 1e-3 of zero: every logit equal, so no oracle could fail)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = root / family
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**TINY, **FAMILIES[family]}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+KNOWN_BAD = {"gptj": "injected KV deviates from text prefill (top-20 overlap 5 of 20) although the interleaved "
+                    "partial rotation itself round-trips exactly (test_rope); open in issue 13"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.xfail(reason=KNOWN_BAD[f], strict=True))
+                                        if f in KNOWN_BAD else f for f in FAMILIES])
+def family_mem(request, model_dir, tmp_path_factory):
+    from kvmem.config import Config, EngineConfig
+    from kvmem.service import KVMem
+
+    root = tmp_path_factory.mktemp(f"family-{request.param}")
+    path = make_model_dir(root, request.param, Path(model_dir))
+    config = Config(home=root / "home", engine=EngineConfig(model=str(path)))
+    m = KVMem(config, background=False)
+    yield request.param, m
+    m.close()
+
+
+def test_k1_injection_matches_text_prefill(family_mem):
+    family, mem = family_mem
+    fact_id, other_id = mem.add(facts=FACTS[:2], user_id="family").ids
+    assert mem.get(fact_id).kv_status == "encoded"
+    q = "How old is my daughter?"
+    text = mem.chat(q, user_id="family", fact_ids=[fact_id], mode="text", max_tokens=4)
+    cached = mem.chat(q, user_id="family", fact_ids=[fact_id], mode="text", max_tokens=4)
+    kv = mem.chat(q, user_id="family", fact_ids=[fact_id], mode="kv", max_tokens=4)
+    control = mem.chat(q, user_id="family", fact_ids=[other_id], mode="text", max_tokens=4)
+    assert kv.fallbacks == 0 and kv.injected_tokens > 0
+    noise, gap = logprob_gap(text.first_logprobs, cached.first_logprobs), logprob_gap(text.first_logprobs, kv.first_logprobs)
+    tol = 2 * noise + 0.05
+    print(f"\n{family}: k=1 gap {gap:.4f}, engine prefix-hit noise {noise:.4f}")
+    assert gap <= tol, f"{family}: injection deviates {gap:.4f} > {tol:.4f}"
+    # The oracle can fail: another fact in the prompt moves the logprobs by more than the tolerance.
+    common = text.first_logprobs.keys() & control.first_logprobs.keys()
+    assert max((abs(text.first_logprobs[t] - control.first_logprobs[t]) for t in common), default=1.0) > tol
