@@ -65,6 +65,19 @@ class WorkerSide:
             raise NotImplementedError(f"kvmem needs identical per-layer KV caches, got {shapes}")
         self._stream = SideStream(self._caches[0][1].device)
         self._staging = HostStaging(pin=self._stream.is_async)
+        self._heads_from_layers(kv_caches)
+
+    def _heads_from_layers(self, kv_caches: dict) -> None:
+        """The KV head count the attention layers really use: a config can name one the model
+        ignores (a GPT-J config with num_key_value_heads), and vLLM's model config believes it."""
+        found = {getattr(self._layers.get(name), "num_kv_heads", None) for name in kv_caches} - {None}
+        if len(found) > 1:
+            raise NotImplementedError(f"kvmem needs one KV head count across layers, got {sorted(found)}")
+        if found and found != {self.num_kv_heads}:
+            (heads,) = found
+            log.warning("the model config says %d KV heads, its attention layers use %d: using the layers'",
+                        self.num_kv_heads, heads)
+            self.num_kv_heads = heads
 
     @property
     def device(self) -> torch.device:
