@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.test_injection import FACTS, logprob_gap
+from tests.engine.test_injection import FACTS, encode_after_true_prefix, logprob_gap
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 4096, "tie_word_embeddings": True,
@@ -87,3 +87,20 @@ def test_k1_injection_matches_text_prefill(family_mem):
     # The oracle can fail: another fact in the prompt moves the logprobs by more than the tolerance.
     common = text.first_logprobs.keys() & control.first_logprobs.keys()
     assert max((abs(text.first_logprobs[t] - control.first_logprobs[t]) for t in common), default=1.0) > tol
+
+
+def test_k10_true_prefix_injection_matches_text_prefill(family_mem):
+    """Ten segments, each encoded after exactly the tokens before it in the prompt: injection
+    must then equal text prefill, which pins slot mapping and multi-segment assembly per family."""
+    family, mem = family_mem
+    user = "family-k10"
+    ids = list(mem.add(facts=FACTS, user_id=user, encode="none").ids)
+    q = [{"role": "user", "content": "What is the name of my cat?"}]
+    encode_after_true_prefix(mem, user, ids, q)
+    text = mem.chat(q, user_id=user, fact_ids=ids, mode="text", max_tokens=4)
+    cached = mem.chat(q, user_id=user, fact_ids=ids, mode="text", max_tokens=4)
+    kv = mem.chat(q, user_id=user, fact_ids=ids, mode="kv", max_tokens=4)
+    assert kv.fallbacks == 0 and kv.injected_tokens > 0
+    noise, gap = logprob_gap(text.first_logprobs, cached.first_logprobs), logprob_gap(text.first_logprobs, kv.first_logprobs)
+    print(f"\n{family}: k=10 true-prefix gap {gap:.4f}, engine prefix-hit noise {noise:.4f}")
+    assert gap <= 2 * noise + 0.05, f"{family}: k=10 injection deviates {gap:.4f}"
