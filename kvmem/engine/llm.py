@@ -176,10 +176,10 @@ class Engine:
     def _abort_cancelled(self, live: dict[str, _Pending]) -> None:
         gone = [rid for rid, p in live.items() if p.future.cancelled()]
         if gone:
+            self.aborted += len(gone)  # counted first: once vLLM drops them, the count already says so
             self._abort(gone)
             for rid in gone:
                 del live[rid]
-            self.aborted += len(gone)
             log.info("aborted %d cancelled request(s)", len(gone))
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -40,7 +40,7 @@ def test_setting_cancel_aborts_a_running_chat(mem):
     worker.join(60)
     assert not worker.is_alive() and "error" in outcome, outcome
     wait_for(lambda: unfinished(mem) == 0, "vLLM to drop the request")
-    assert mem.engine.aborted == aborted + 1
+    assert mem.engine.aborted == aborted + 1  # counted before vLLM drops it (this raced once)
 
 
 def test_closing_a_stream_early_aborts_it(mem):
