@@ -23,9 +23,10 @@ class EngineConfig:
     max_num_seqs: requests batched together per engine step.
     load_format: vLLM's; "dummy" runs any architecture from its config.json with random weights
       (timing of big shapes, exactness across families).
-    enforce_eager: skip torch.compile and CUDA graphs. None: skip them on CPU (measured on
-      SmolLM2: the engine starts in 36 s instead of 173 s, with the same time per request) and
-      keep them on GPUs (CUDA graphs make small decode steps much cheaper there).
+    enforce_eager: skip torch.compile and CUDA graphs. None: skip them on CPU, where the engine
+      then starts ~4x faster (38 s instead of 158 s for SmolLM2 on 2 cores) at a cost of up to
+      ~30% per request (docs/benchmarks.md; KVMEM_ENFORCE_EAGER=0 for a long-running CPU server),
+      and keep them on GPUs (CUDA graphs make small decode steps much cheaper there).
     """
 
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
