@@ -281,13 +281,13 @@ class KVMem:
 
         if mode not in MODES:
             raise InvalidInputError(f"mode must be one of {MODES}, got {mode!r}")
-        if not _positive_int(max_tokens):
+        if not _int_at_least(max_tokens, 1):
             raise InvalidInputError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if logprobs is not None and not (_positive_int(logprobs) or logprobs == 0):
+        if logprobs is not None and not _int_at_least(logprobs, 0):
             raise InvalidInputError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
         check_messages(messages)
-        self._check_fits(messages, max_tokens)
+        self._check_fits(messages)
         t0 = time.perf_counter()
         facts = self._chat_facts(messages, user_id, agent_id, run_id, k, filters, fact_ids, mode)
         retrieval_s = time.perf_counter() - t0
@@ -301,7 +301,7 @@ class KVMem:
         plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
         return facts, EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs), retrieval_s
 
-    def _check_fits(self, messages: list[dict], max_tokens: int) -> None:
+    def _check_fits(self, messages: list[dict]) -> None:
         """Refuse a conversation too long to fit before tokenizing it (megabytes take seconds)."""
         chars = sum(len(m["content"]) for m in messages)
         bound = self.config.engine.max_model_len * self.prompts.max_token_chars  # no token is longer
@@ -379,8 +379,8 @@ class KVMem:
         self.close()
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _int_at_least(value: object, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _iso_or_none(timestamp: str | None) -> str | None:
