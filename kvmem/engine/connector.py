@@ -13,6 +13,7 @@ hot_cache_mib, and is_neox_style (only used when the model's own rotary embeddin
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -136,7 +137,7 @@ def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,
     value_dtype = extra.get("value_dtype")
     return WorkerSide(
         store=store,
-        rotator=KeyRotator(_model_rope(vllm_config, head_size, extra)),
+        rotator=_layer_rotators(vllm_config, head_size, extra),
         block_size=block_size,
         num_blocks=kv_cache_config.num_blocks,
         num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
@@ -145,6 +146,39 @@ def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,
         value_dtype=getattr(torch, value_dtype) if value_dtype else None,
         layers=vllm_config.compilation_config.static_forward_context,
     )
+
+
+def _layer_rotators(vllm_config, head_size: int, extra: dict) -> KeyRotator | dict[str, KeyRotator]:
+    """Each attention layer's own rotary embedding (Gemma 3's local and global layers differ in
+    base), taken from the loaded model; else the model's single one for every layer."""
+    layers = vllm_config.compilation_config.static_forward_context
+    attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
+    ropes = _sibling_ropes(attention)
+    if attention and ropes.keys() == attention.keys():
+        shared: dict[int, KeyRotator] = {}
+        return {name: shared.setdefault(id(rope), KeyRotator(rope)) for name, rope in ropes.items()}
+    return KeyRotator(_model_rope(vllm_config, head_size, extra))
+
+
+def _sibling_ropes(layers: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
+    """layer name -> the rotary embedding held beside it by its parent module (vLLM's attention
+    modules keep `rotary_emb` next to `attn`). The static forward context has the layers but
+    not their parents, so the parents are found among the live modules, once at start-up."""
+    wanted = {id(layer): name for name, layer in layers.items()}
+    found = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.nn.Module) or not obj._modules:
+            continue
+        children = [c for c in obj._modules.values() if c is not None]
+        names = [wanted[id(c)] for c in children if id(c) in wanted]
+        ropes = [c for c in children if _is_rope(c)]
+        if names and len(ropes) == 1:
+            found.update(dict.fromkeys(names, ropes[0]))
+    return found
+
+
+def _is_rope(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("cos_sin_cache", "is_neox_style", "rotary_dim", "head_size"))
 
 
 def _model_rope(vllm_config, head_size: int, extra: dict):

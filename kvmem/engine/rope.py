@@ -10,6 +10,8 @@ table carries a scale (YaRN's mscale).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -79,6 +81,58 @@ class KeyRotator:
         if cached is None:
             cached = self._on_device[(inverse, device)] = (self._inverse if inverse else self._forward).to(device)
         return cached
+
+
+class LayerRotators:
+    """One KeyRotator per attention layer, in cache order: models such as Gemma 3 give local and
+    global layers different rotary bases. Layers that share a rotary embedding share one rotator,
+    and a batch of layers is rotated in one call per distinct embedding."""
+
+    def __init__(self, per_layer: Sequence[KeyRotator]) -> None:
+        if not per_layer:
+            raise ValueError("no layers to rotate")
+        self.per_layer = list(per_layer)
+        groups: dict[int, list[int]] = {}
+        for i, rot in enumerate(self.per_layer):
+            groups.setdefault(id(rot), []).append(i)
+        self._groups = [(self.per_layer[idx[0]], torch.tensor(idx)) for idx in groups.values()]
+        self.max_position = min(r.max_position for r in self.per_layer)
+
+    @classmethod
+    def uniform(cls, rotator: KeyRotator, num_layers: int) -> LayerRotators:
+        return cls([rotator] * num_layers)
+
+    def __len__(self) -> int:
+        return len(self.per_layer)
+
+    def rotate(self, key: torch.Tensor, positions: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """key [L, T, H, D] pre-RoPE, L = all layers -> float32 [L, T, H, D] at positions [T]."""
+        return self._apply(key, positions, inverse=False, inplace=inplace)
+
+    def unrotate(self, key: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """key [L, T, H, D] as cached at positions [T] -> float32 [L, T, H, D] pre-RoPE."""
+        return self._apply(key, positions, inverse=True, inplace=False)
+
+    def rotate_layer(self, layer: int, key: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """key [1, T, H, D] contiguous float32 of one layer, rotated in place."""
+        return self.per_layer[layer].rotate(key, positions, inplace=True)
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        for rot, _ in self._groups:
+            rot.check_positions(positions)
+
+    def _apply(self, key: torch.Tensor, positions: torch.Tensor, inverse: bool, inplace: bool) -> torch.Tensor:
+        if key.shape[0] != len(self.per_layer):
+            raise ValueError(f"{key.shape[0]} layers of keys, {len(self.per_layer)} rotators")
+        if len(self._groups) == 1:
+            return self.per_layer[0]._apply(key, positions, inverse, inplace)
+        if inplace and (key.dtype != torch.float32 or not key.is_contiguous()):
+            raise ValueError("in-place rotation needs a contiguous float32 key")
+        out = key if inplace else torch.empty(key.shape, dtype=torch.float32, device=key.device)
+        for rot, idx in self._groups:
+            idx = idx.to(key.device)
+            out[idx] = rot._apply(key[idx], positions, inverse, inplace=False)  # [l, T, H, D] per group
+        return out
 
 
 def _rotary_kernel():

@@ -3,8 +3,15 @@
 Each of these would otherwise fail late or silently: tensor-parallel ranks would all write the
 same blob files with a slice of the heads each; pipeline stages would pair the wrong layers;
 an MLA cache holds one compressed latent per token instead of per-head K/V; an fp8 (or other
-quantized) cache needs scales we do not store; hybrid or sliding-window cache groups give
-layers different block tables or drop old tokens.
+quantized) cache needs scales we do not store; hybrid cache groups (recurrent state beside
+attention) give layers different block tables; a model whose every layer is sliding-window gets
+vLLM's sliding-window allocator, which frees blocks outside the window, and a fact's KV must be
+whole when it is copied out; layers that reuse another layer's KV (cross-layer sharing) have
+no cache of their own to inject into.
+
+Sliding-window layers beside full-attention ones (Gemma 2/3, hybrid Qwen) are served: with a
+connector that does not opt into vLLM's hybrid allocator, vLLM keeps every token's blocks for
+them and applies the window in the attention kernel, exactly as for text prefill.
 """
 
 from __future__ import annotations
@@ -30,24 +37,36 @@ def unsupported(parallel_config, model_config, cache_config, kv_cache_config) ->
     return reasons
 
 
+def layer_reasons(layers: dict) -> list[str]:
+    """Reasons found on the attention layers themselves (only the worker has them loaded)."""
+    shared = sorted(name for name, layer in layers.items() if getattr(layer, "kv_sharing_target_layer_name", None))
+    if shared:
+        return [f"cross-layer KV sharing ({len(shared)} layers reuse another layer's KV, e.g. {shared[0]})"]
+    return []
+
+
 def refuse_unsupported(vllm_config, kv_cache_config) -> None:
     """Raise UnsupportedConfigError listing every reason, or return."""
     reasons = unsupported(vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config,
                           kv_cache_config)
+    reasons += layer_reasons(vllm_config.compilation_config.static_forward_context)
     if reasons:
         raise UnsupportedConfigError("kvmem cannot serve this vLLM configuration: " + "; ".join(reasons))
 
 
 def _cache_group_reasons(groups) -> list[str]:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     if len(groups) > 1:
         kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
         return [f"hybrid KV cache with {len(groups)} groups ({kinds}); kvmem needs one full-attention group"]
     for group in groups:
         spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            return [f"sliding-window attention in every layer (window {spec.sliding_window}): vLLM frees blocks "
+                    "outside the window, which kvmem's encodes need whole"]
         if type(spec) is not FullAttentionSpec:
-            return [f"{type(spec).__name__} KV cache (kvmem needs plain full attention)"]
-        if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-            return ["sliding-window or chunked-local attention layers (kvmem needs plain full attention)"]
+            return [f"{type(spec).__name__} KV cache (kvmem needs attention with a per-token K/V cache)"]
+        if getattr(spec, "attention_chunk_size", None):
+            return ["chunked-local attention layers (not yet tested with injection)"]
     return []

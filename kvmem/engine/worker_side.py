@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 
 import torch
 
 from kvmem.engine.blob_writer import BlobWriter, SaveBatch
 from kvmem.engine.paged import PageLayout, slot_mapping
 from kvmem.engine.plan import ConnectorMeta, LoadJob, SaveJob
-from kvmem.engine.rope import KeyRotator
+from kvmem.engine.rope import KeyRotator, LayerRotators
 from kvmem.engine.staging import HostStaging, SideStream, synchronize
 from kvmem.errors import BlobError
 from kvmem.kv.store import KVStore
@@ -36,11 +37,12 @@ log = logging.getLogger("kvmem.connector")
 
 
 class WorkerSide:
-    def __init__(self, store: KVStore, rotator: KeyRotator, block_size: int, num_blocks: int,
+    def __init__(self, store: KVStore, rotator: KeyRotator | Mapping[str, KeyRotator], block_size: int, num_blocks: int,
                  num_kv_heads: int, head_size: int, key_dtype: torch.dtype, value_dtype: torch.dtype | None,
                  layers: dict) -> None:
         self.store = store
-        self.rotator = rotator
+        self._rotator_of = rotator  # one for every layer, or per layer name
+        self.rotator: LayerRotators | None = None  # per layer in cache order, once caches are registered
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
@@ -63,9 +65,18 @@ class WorkerSide:
         if len(shapes) != 1:
             # One calibrated layout serves every layer; hybrid/cross-layer layouts are not supported.
             raise NotImplementedError(f"kvmem needs identical per-layer KV caches, got {shapes}")
+        self.rotator = self._layer_rotators()
         self._stream = SideStream(self._caches[0][1].device)
         self._staging = HostStaging(pin=self._stream.is_async)
         self._heads_from_layers(kv_caches)
+
+    def _layer_rotators(self) -> LayerRotators:
+        if isinstance(self._rotator_of, KeyRotator):
+            return LayerRotators.uniform(self._rotator_of, len(self._caches))
+        missing = [name for name, _ in self._caches if name not in self._rotator_of]
+        if missing:
+            raise NotImplementedError(f"no rotary embedding found for layers {missing}")
+        return LayerRotators([self._rotator_of[name] for name, _ in self._caches])
 
     def _heads_from_layers(self, kv_caches: dict) -> None:
         """The KV head count the attention layers really use: a config can name one the model
@@ -107,7 +118,7 @@ class WorkerSide:
             slots = slots.to(dev, non_blocking=True)
             for i, (name, cache) in enumerate(self._caches):
                 k = key[i].to(dev, torch.float32, non_blocking=True)  # [N, H, D]; may alias staging on CPU
-                self.rotator.rotate(k[None], positions, inplace=True)
+                self.rotator.rotate_layer(i, k[None], positions)
                 v = value[i].to(dev, non_blocking=True)
                 layer = self._layers[name]
                 layer.impl.do_kv_cache_update(layer, k.to(cache.dtype), v.to(cache.dtype), cache, slots)

@@ -77,7 +77,7 @@ def test_encode_then_inject_on_the_device_round_trips(tmp_path, rope, model_dir)
     from kvmem.engine.plan import ConnectorMeta, LoadJob, SaveJob, Span
 
     side = worker(tmp_path, rope, model_dir)
-    rotator = side.rotator
+    rotator = KeyRotator(rope)  # the one the worker applies to every layer
     n, g = 20, torch.Generator().manual_seed(1)
     pre_k = torch.randn(LAYERS, n, HEADS, DIM, generator=g)
     value = torch.randn(LAYERS, n, HEADS, DIM, generator=g).to(torch.bfloat16)

@@ -90,3 +90,27 @@ def test_moving_a_key_is_rotating_by_the_difference(rope):
 def test_positions_beyond_the_table_are_refused(rope):
     with pytest.raises(ValueError, match="beyond"):
         KeyRotator(rope).rotate(torch.zeros(1, 1, 3, 64), torch.tensor([9000]))
+
+
+def test_layer_rotators_apply_each_layers_own_embedding(rope, llama3_rope):
+    """Gemma 3's shape: local and global layers with different rotary bases, interleaved."""
+    from kvmem.engine.rope import LayerRotators
+
+    local, global_ = KeyRotator(rope), KeyRotator(llama3_rope)
+    layers = LayerRotators([local, global_, local])
+    key = torch.randn(3, 40, 2, 64)  # [L, T, H, D]
+    pos = torch.randint(0, 4000, (40,))
+    rotated = layers.rotate(key, pos)
+    for i, rot in enumerate([local, global_, local]):
+        assert torch.equal(rotated[i : i + 1], rot.rotate(key[i : i + 1], pos))
+    assert not torch.allclose(rotated[1], local.rotate(key[1:2], pos)[0], atol=1e-3)  # the bases do differ
+    assert torch.allclose(layers.unrotate(rotated, pos), key, atol=1e-4)
+    one = key[1:2].clone()
+    layers.rotate_layer(1, one, pos)
+    assert torch.equal(one, rotated[1:2])
+    inplace = key.clone()
+    assert torch.equal(layers.rotate(inplace, pos, inplace=True), rotated) and torch.equal(inplace, rotated)
+    with pytest.raises(ValueError, match="3 rotators"):
+        layers.rotate(key[:2], pos)
+    with pytest.raises(ValueError, match="beyond the rotary table"):
+        layers.check_positions(torch.tensor([min(local.max_position, global_.max_position)]))

@@ -91,19 +91,58 @@ def test_hybrid_cache_groups_are_refused(model_config):
     assert reason.startswith("hybrid KV cache with 2 groups (FullAttentionSpec, SlidingWindowSpec)")
 
 
-def test_sliding_window_layers_are_refused(model_config):
-    """With the hybrid allocator off, vLLM folds sliding-window layers into full attention."""
-    (reason,) = reasons(model_config, kv=kv_cache_config(full_attention(sliding_window=512)))
-    assert "sliding-window" in reason
+def test_sliding_window_layers_beside_full_attention_are_served(model_config):
+    """With the hybrid allocator off, vLLM folds sliding-window layers into full attention and
+    keeps every block: the window is applied by the attention kernel, for injected KV as for text."""
+    assert reasons(model_config, kv=kv_cache_config(full_attention(sliding_window=512))) == []
+
+
+def test_sliding_window_in_every_layer_is_refused(model_config):
+    """Mistral v0.1's shape: one sliding-window group, whose allocator frees out-of-window blocks."""
+    (reason,) = reasons(model_config, kv=kv_cache_config(sliding_window()))
+    assert reason.startswith("sliding-window attention in every layer (window 512)")
+
+
+def test_chunked_local_attention_is_refused(model_config):
+    (reason,) = reasons(model_config, kv=kv_cache_config(full_attention(attention_chunk_size=64)))
+    assert reason.startswith("chunked-local attention")
+
+
+def test_recurrent_state_is_refused(model_config):
+    """Linear-attention / Mamba layers keep a state per request, not K/V per token."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba = MambaSpec(block_size=16, shapes=((4, 64),), dtypes=(torch.bfloat16,))
+    (reason,) = reasons(model_config, kv=kv_cache_config(mamba))
+    assert reason.startswith("MambaSpec KV cache")
+    (reason,) = reasons(model_config, kv=kv_cache_config(full_attention(), mamba))
+    assert reason.startswith("hybrid KV cache with 2 groups (FullAttentionSpec, MambaSpec)")
+
+
+def test_cross_layer_kv_sharing_is_refused(model_config):
+    """Layers built by vLLM itself, the second reading the first's KV (Gemma 3n's shape)."""
+    from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    from kvmem.engine.support import layer_reasons
+
+    config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=32))
+    with set_current_vllm_config(config):
+        own = Attention(4, 64, 0.125, num_kv_heads=2, cache_config=config.cache_config, prefix="model.layers.0.attn")
+        shared = Attention(4, 64, 0.125, num_kv_heads=2, cache_config=config.cache_config,
+                           prefix="model.layers.1.attn", kv_sharing_target_layer_name="model.layers.0.attn")
+    assert layer_reasons({"model.layers.0.attn": own}) == []
+    (reason,) = layer_reasons({"model.layers.0.attn": own, "model.layers.1.attn": shared})
+    assert reason.startswith("cross-layer KV sharing (1 layers reuse another layer's KV, e.g. model.layers.1.attn)")
 
 
 def test_the_refusal_names_every_reason(model_config):
     from types import SimpleNamespace
 
-    from vllm.config import CacheConfig, ParallelConfig
+    from vllm.config import CacheConfig, CompilationConfig, ParallelConfig
 
     config = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2), model_config=model_config,
-                             cache_config=CacheConfig(cache_dtype="fp8"))
+                             cache_config=CacheConfig(cache_dtype="fp8"), compilation_config=CompilationConfig())
     with pytest.raises(UnsupportedConfigError, match="tensor parallel size 2.*KV cache dtype 'fp8'"):
         refuse_unsupported(config, None)
 
