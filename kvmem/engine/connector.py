@@ -44,8 +44,8 @@ class KvmemMetadata(ConnectorMeta, KVConnectorMetadata):
 class KvmemConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        refuse_unsupported(vllm_config, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
+        refuse_unsupported(vllm_config, kv_cache_config, report_dir=extra.get("kv_dir"))
         store = KVStore(extra["kv_dir"], extra["fingerprint"], int(extra.get("hot_cache_mib", 512)) << 20)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 
 from kvmem.config import Config
 from kvmem.engine.plan import ENCODE, KEY, Plan
-from kvmem.errors import EngineError, RequestCancelled
+from kvmem.engine.support import take_refusal
+from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
 
@@ -72,9 +73,13 @@ class Engine:
     def __init__(self, model: ModelInfo, config: Config) -> None:
         ec = config.engine
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(ec.cpu_kv_space_gib))
+        take_refusal(config.kv_dir)  # a stale one from an earlier start must not be blamed
         try:
             self._llm = _start_llm(model, config)
         except Exception as e:  # noqa: BLE001 - vLLM raises many types while starting
+            refusal = take_refusal(config.kv_dir)
+            if refusal:
+                raise UnsupportedConfigError(f"{refusal} (model {model.path})") from e
             raise EngineError(f"vLLM failed to start on {model.path}: {e}") from e
         self._engine = self._llm.llm_engine
         self.model = model

@@ -16,7 +16,13 @@ them and applies the window in the attention kernel, exactly as for text prefill
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvmem.errors import UnsupportedConfigError
+
+# vLLM reports a worker's failure at start-up as "Engine core initialization failed"; the reason
+# itself only reaches the log. The connector leaves it here (in kv_dir) for the engine to raise.
+REFUSAL_FILE = "refused.txt"
 
 SUPPORTED_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
@@ -45,13 +51,28 @@ def layer_reasons(layers: dict) -> list[str]:
     return []
 
 
-def refuse_unsupported(vllm_config, kv_cache_config) -> None:
-    """Raise UnsupportedConfigError listing every reason, or return."""
+def refuse_unsupported(vllm_config, kv_cache_config, report_dir: Path | None = None) -> None:
+    """Raise UnsupportedConfigError listing every reason (also written to report_dir), or return."""
     reasons = unsupported(vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config,
                           kv_cache_config)
     reasons += layer_reasons(vllm_config.compilation_config.static_forward_context)
     if reasons:
-        raise UnsupportedConfigError("kvmem cannot serve this vLLM configuration: " + "; ".join(reasons))
+        message = "kvmem cannot serve this vLLM configuration: " + "; ".join(reasons)
+        if report_dir is not None:
+            Path(report_dir).mkdir(parents=True, exist_ok=True)
+            (Path(report_dir) / REFUSAL_FILE).write_text(message)
+        raise UnsupportedConfigError(message)
+
+
+def take_refusal(report_dir: Path) -> str | None:
+    """The refusal a connector left in report_dir at start-up (removed once read), or None."""
+    path = Path(report_dir) / REFUSAL_FILE
+    try:
+        message = path.read_text()
+    except FileNotFoundError:
+        return None
+    path.unlink(missing_ok=True)
+    return message
 
 
 def _cache_group_reasons(groups) -> list[str]:

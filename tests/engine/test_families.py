@@ -1,12 +1,15 @@
 """Model families on the CPU: tiny configs with random weights, the k=1 oracle on each.
 
-Measured (2026-12-01): all five inject exactly (gap 0.0000, bf16). GPT-J's config inherits
+Measured (2026-12-01): all seven inject exactly (k=1 and k=10 gaps 0.0000, bf16), Gemma 3
+with a window of 8 tokens (shorter than every fact) on its local layer, which moves the
+logprobs by 2.4 against the same weights with a wide window. GPT-J's config inherits
 TINY's num_key_value_heads, which GPT-J ignores (it has no GQA) but vLLM's model config believes:
 the connector takes the head count from the attention layers, and this pins it (it used to
 read 2 of the 4 heads and injection deviated).
 
 Each family brings its own rotary and attention details (Llama 3.1's rope scaling, Qwen 2.5's
-q/k bias, Qwen 3's q/k norm, Phi-3's partial rotary, GPT-J's interleaved rotation); random
+q/k bias, Qwen 3's q/k norm, Gemma 3's per-layer rotary base and sliding window, Phi-3's
+partial rotary, GPT-J's interleaved rotation); random
 weights exercise them as well as trained ones do, since the oracle compares the engine with
 itself: injected KV against text prefill of the same tokens. All reuse SmolLM2's tokenizer.
 """
@@ -136,3 +139,17 @@ def assert_window_matters(mem, q, windowed: dict[int, float], tol: float) -> Non
     moved = max((abs(windowed[t] - full[t]) for t in common), default=1.0)
     print(f"gemma3: window 8 against 4096 moves the logprobs by {moved:.4f}")
     assert moved > tol
+
+
+def test_an_all_sliding_window_model_is_refused_with_the_reason(model_dir, tmp_path):
+    """Mistral v0.1's shape (every layer windowed): the user sees kvmem's reason, not only
+    vLLM's 'Engine core initialization failed' with the reason buried in the log."""
+    from kvmem.config import Config, EngineConfig
+    from kvmem.errors import UnsupportedConfigError
+    from kvmem.service import KVMem
+
+    path = make_model_dir(tmp_path, "mistral", Path(model_dir), sliding_window=8)
+    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path)))
+    with pytest.raises(UnsupportedConfigError, match=r"sliding-window attention in every layer \(window 8\)"):
+        KVMem(config, background=False)
+    assert not (config.kv_dir / "refused.txt").exists()  # read once, not blamed on the next start
