@@ -28,7 +28,7 @@ from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from kvmem.engine.plan import ConnectorMeta
-from kvmem.engine.rope import KeyRotator
+from kvmem.engine.rope import KeyRotator, is_rotary
 from kvmem.engine.scheduler_side import SchedulerSide
 from kvmem.engine.support import refuse_unsupported
 from kvmem.engine.worker_side import WorkerSide
@@ -171,14 +171,10 @@ def _sibling_ropes(layers: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Mod
             continue
         children = [c for c in obj._modules.values() if c is not None]
         names = [wanted[id(c)] for c in children if id(c) in wanted]
-        ropes = [c for c in children if _is_rope(c)]
+        ropes = [c for c in children if is_rotary(c)]
         if names and len(ropes) == 1:
             found.update(dict.fromkeys(names, ropes[0]))
     return found
-
-
-def _is_rope(module: torch.nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("cos_sin_cache", "is_neox_style", "rotary_dim", "head_size"))
 
 
 def _model_rope(vllm_config, head_size: int, extra: dict):
@@ -189,7 +185,7 @@ def _model_rope(vllm_config, head_size: int, extra: dict):
     if len(built) == 1:
         return next(iter(built.values()))
     if len(built) > 1:
-        styles = {(r.is_neox_style, r.rotary_dim, tuple(r.cos_sin_cache.shape)) for r in built.values()}
+        styles = {(type(r).__name__, r.rotary_dim) for r in built.values()}
         raise NotImplementedError(f"the model uses {len(built)} different rotary embeddings ({styles}); kvmem needs one")
     hf = vllm_config.model_config.hf_text_config
     log.warning("model's rotary embedding not found; building one from the config (is_neox_style=%s)",

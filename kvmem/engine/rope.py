@@ -17,17 +17,19 @@ import torch
 
 class KeyRotator:
     def __init__(self, rope: torch.nn.Module, use_kernel: bool = True) -> None:
-        table = rope.cos_sin_cache.detach().to(torch.float32).cpu()  # [max_pos, rot_dim]
+        table = _table_of(rope).detach().to(torch.float32).cpu()  # [max_pos, rot_dim]
         cos, sin = table.chunk(2, dim=-1)
         norm = cos * cos + sin * sin
         self._forward = table
         self._inverse = torch.cat((cos / norm, -sin / norm), dim=-1)
         self._on_device: dict[tuple[bool, torch.device], torch.Tensor] = {}
-        self._forward_static = type(rope).forward_static
+        self._forward_static = getattr(type(rope), "forward_static", None)
         self._kernel = _rotary_kernel() if use_kernel else None
+        if self._kernel is None and self._forward_static is None:
+            raise NotImplementedError(f"{type(rope).__name__} needs vLLM's rotary kernel, missing from this build")
         self.head_size = rope.head_size
         self.rotary_dim = rope.rotary_dim
-        self.is_neox_style = rope.is_neox_style
+        self.is_neox_style = getattr(rope, "is_neox_style", True)
         self.max_position = table.shape[0]
 
     def rotate(self, key: torch.Tensor, positions: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -81,6 +83,25 @@ class KeyRotator:
         if cached is None:
             cached = self._on_device[(inverse, device)] = (self._inverse if inverse else self._forward).to(device)
         return cached
+
+
+def is_rotary(module: torch.nn.Module) -> bool:
+    """Whether `module` is one of vLLM's rotary embeddings (with a cos/sin table we can read)."""
+    has_table = hasattr(module, "cos_sin_cache") or hasattr(module, "long_short_cos_sin_cache")
+    return has_table and hasattr(module, "head_size") and hasattr(module, "rotary_dim")
+
+
+def _table_of(rope: torch.nn.Module) -> torch.Tensor:
+    """The cos/sin table [max_pos, rot_dim] the engine rotates keys with."""
+    if hasattr(rope, "cos_sin_cache"):
+        return rope.cos_sin_cache
+    if hasattr(rope, "long_short_cos_sin_cache"):
+        # Phi-3 LongRoPE: the short table, then the long one. vLLM picks one for every position
+        # at start-up (long when max_model_len exceeds the original context), so ours is that one.
+        split = rope.original_max_position_embeddings
+        both = rope.long_short_cos_sin_cache
+        return both[split:] if rope.use_long_rope else both[:split]
+    raise NotImplementedError(f"kvmem cannot read the table of {type(rope).__name__}")
 
 
 class LayerRotators:

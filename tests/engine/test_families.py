@@ -46,6 +46,11 @@ FAMILIES = {
     # Mistral v0.2 on: no sliding window (v0.1's all-layer window is refused, see test_support.py).
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "head_dim": 64,
                 "rope_theta": 1000000.0, "sliding_window": None},
+    # Phi-3 128k's LongRoPE: max_model_len (4096) beyond the original 1024, so the long table.
+    "phi3-longrope": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "rope_theta": 10000.0,
+                      "partial_rotary_factor": 0.5, "original_max_position_embeddings": 1024,
+                      "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(16)],
+                                       "long_factor": [1.5 + i for i in range(16)]}},
     "gptj": {"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 256, "n_head": 4, "n_layer": 2,
              "n_positions": 4096, "rotary_dim": 32, "n_inner": 512, "tie_word_embeddings": False},
 }

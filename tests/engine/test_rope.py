@@ -114,3 +114,30 @@ def test_layer_rotators_apply_each_layers_own_embedding(rope, llama3_rope):
         layers.rotate(key[:2], pos)
     with pytest.raises(ValueError, match="beyond the rotary table"):
         layers.check_positions(torch.tensor([min(local.max_position, global_.max_position)]))
+
+
+@pytest.mark.parametrize("max_model_len", [4096, 1024])
+def test_longrope_rotation_matches_the_engines(model_dir, max_model_len):
+    """Phi-3's LongRoPE keeps a short and a long table and uses one for every position (long
+    when max_model_len exceeds the original context): the rotator must read that one."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope import (
+        Phi3LongRoPEScaledRotaryEmbedding,
+    )
+
+    from kvmem.engine.rope import is_rotary
+
+    config = VllmConfig()
+    config.model_config = SimpleNamespace(max_model_len=max_model_len)  # all LongRoPE reads of it
+    with set_current_vllm_config(config):  # built directly: get_rope's cache ignores max_model_len
+        rope = Phi3LongRoPEScaledRotaryEmbedding(
+            64, 32, 4096, 1024, 10000.0, True, torch.float32,
+            short_factor=[1.0 + i / 16 for i in range(16)], long_factor=[1.5 + i for i in range(16)])
+    assert is_rotary(rope) and rope.use_long_rope == (max_model_len > 1024)
+    key = torch.randn(1, 30, 2, 64)  # [L, T, H, D]
+    pos = torch.randint(0, 1000, (30,))
+    _, engine_k = rope.forward(pos, key[0].reshape(30, 128).clone(), key[0].reshape(30, 128).clone())
+    ours = KeyRotator(rope).rotate(key, pos)
+    assert torch.allclose(ours[0].reshape(30, 128), engine_k, atol=1e-5)
