@@ -1,4 +1,4 @@
-"""`kvmem bench ttft|load` and `kvmem eval locomo`: argument parsing and report writing."""
+"""`kvmem bench ttft|load|oracle` and `kvmem eval locomo`: argument parsing and report writing."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ def add_parsers(sub) -> None:
     ld.add_argument("--max-tokens", type=int, default=16)
     _common(ld, "load")
     ld.set_defaults(func=cmd_load)
+    o = bench.add_parser("oracle", help="injected KV vs text prefill of the same prompt (k=1 exact, k=10 approx.)")
+    o.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
+    o.set_defaults(func=cmd_oracle)
 
     e = sub.add_parser("eval", help="answer-quality evaluations")
     ev = e.add_subparsers(dest="eval", required=True, metavar="EVAL")
@@ -75,6 +78,15 @@ def cmd_load(args, config) -> int:
         result = load.run(mem, data=args.data, levels=args.users, k=args.k, requests=args.requests,
                           max_tokens=args.max_tokens, seed=args.seed)
     print(load.report(result, (args.out or RESULTS) / "load"))
+    return 0
+
+
+def cmd_oracle(args, config) -> int:
+    from kvmem.bench import oracle
+
+    with _open(config) as mem:
+        result = oracle.run(mem)
+    print(oracle.report(result, (args.out or RESULTS) / "oracle"))
     return 0
 
 

@@ -5,7 +5,19 @@ from __future__ import annotations
 import json
 import math
 
-from kvmem.bench import eval_locomo, eval_report, load, ttft
+from kvmem.bench import eval_locomo, eval_report, load, oracle, ttft
+
+
+def test_oracle_bench_finds_k1_exact(mem, tmp_path):
+    result = oracle.run(mem, user="oracle-bench-test")
+    s = result["summary"]
+    assert len(result["k1"]) == len(result["k10"]) == 10 and s["k1_fallbacks"] == 0
+    assert all(r["injected_tokens"] > 0 for r in result["k1"])
+    assert s["k1_max_gap"] <= 2 * s["k1_max_noise"] + 0.05
+    assert s["k1_top1_agree"] >= 0.9 and 0 <= s["k10_top1_agree"] <= 1 and s["k10_mean_kl"] >= 0
+    assert "k=1 max top-20 logprob gap" in oracle.report(result, tmp_path / "oracle")
+    assert json.loads((tmp_path / "oracle.json").read_text())["summary"] == s
+    assert mem.get_all(user_id="oracle-bench-test") == []  # it cleans up after itself
 
 
 def test_ttft_bench_tiny(mem, tmp_path, locomo_path):

@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from kvmem.bench import oracle
+from kvmem.bench.oracle import FACTS
 from tests.helpers import add_fact, tokens
-
-FACTS = [
-    "Maya's daughter is named Lena and she is seven years old.",
-    "Maya moved from Porto to Berlin in 2019 for a job at a bakery.",
-    "Maya is allergic to peanuts and avoids Thai food because of it.",
-    "Maya's favourite band is Radiohead; she saw them live in 2017.",
-    "Maya runs a half marathon every spring with her brother Tomas.",
-    "Maya drives an old blue Volvo that she calls Bertha.",
-    "Maya is learning Japanese and practices every morning at six.",
-    "Maya's cat, Miso, is a grey British shorthair.",
-    "Maya's birthday is on the 14th of March.",
-    "Maya works night shifts on Fridays and sleeps in on Saturdays.",
-]
 
 
 def logprob_gap(a: dict[int, float], b: dict[int, float]) -> float:
-    """Largest |logprob difference| over tokens in both top-n lists."""
-    common = a.keys() & b.keys()
-    assert len(common) >= len(a) // 2, "top-n lists barely overlap"
-    return max(abs(a[t] - b[t]) for t in common)
+    """Largest |logprob difference| over tokens in both top-n lists (which must overlap)."""
+    assert len(a.keys() & b.keys()) >= len(a) // 2, "top-n lists barely overlap"
+    return oracle.logprob_gap(a, b)
 
 
 def test_k1_injection_matches_text_prefill(mem):
