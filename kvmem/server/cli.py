@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--data-dir", type=Path, help="facts and KV blobs (default: $KVMEM_HOME or ~/.cache/kvmem)")
-    p.add_argument("--model", help="a local HF model folder or hub id (default: the bundled SmolLM2-135M)")
+    p.add_argument("--model", help="a bundled model (smollm2-135m, gemma3-270m), a local HF model folder or "
+                                   "hub id (default: the bundled SmolLM2-135M)")
     p.add_argument("--models-home", type=Path, help="where converted models are kept (default: ~/.cache/kvmem/models)")
     p.add_argument("--config", type=Path, help="a TOML file: [server], [tenants] (API keys), [engine], [memory], ...")
     p.add_argument("--max-inflight", type=int, help="chat requests answered at once; more get 429 (default 64)")

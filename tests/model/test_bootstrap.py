@@ -3,7 +3,7 @@ import json
 import pytest
 
 from kvmem.errors import ModelError
-from kvmem.model import gguf
+from kvmem.model import bundled, gguf
 from kvmem.model.fingerprint import fingerprint
 from kvmem.model.resolve import resolve_model
 
@@ -22,7 +22,7 @@ def test_a_crash_mid_conversion_leaves_no_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf, "_write_hf_folder", crash)
     with pytest.raises(RuntimeError):
-        gguf.convert_gguf(gguf.bundled_gguf_path(), tmp_path / "m")
+        gguf.convert_gguf(bundled.DEFAULT.gguf_path(tmp_path), tmp_path / "m")
     assert list(tmp_path.iterdir()) == []
 
 
