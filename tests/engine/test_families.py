@@ -158,3 +158,36 @@ def test_an_all_sliding_window_model_is_refused_with_the_reason(model_dir, tmp_p
     with pytest.raises(UnsupportedConfigError, match=r"sliding-window attention in every layer \(window 8\)"):
         KVMem(config, background=False)
     assert not (config.kv_dir / "refused.txt").exists()  # read once, not blamed on the next start
+
+
+@pytest.mark.parametrize("family_mem", ["gemma3"], indirect=True)
+def test_each_layer_stores_keys_unrotated_with_its_own_base(family_mem):
+    """The oracles above inject facts where they were encoded, where un-rotating and re-rotating
+    with a wrong table cancel out; a fact moved elsewhere would not. So: the stored pre-RoPE keys,
+    rotated with each layer's rotary embedding derived independently from the config, must
+    give what the engine cached (and the other layer type's embedding must not)."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from kvmem.engine.rope import KeyRotator
+
+    _, mem = family_mem
+    (fact_id,) = mem.add(facts=[FACTS[3]], user_id="rope-layers", encode="none").ids
+    mem.encoder.encode([mem.get(fact_id)], keep_rotated=True)
+    blob = mem.kv.get(fact_id)
+    hf = mem.engine._llm.llm_engine.vllm_config.model_config.hf_text_config
+    with set_current_vllm_config(VllmConfig()):
+        ropes = {kind: KeyRotator(get_rope(64, max_position=hf.max_position_embeddings,
+                                           rope_parameters=hf.rope_parameters[kind], dtype=torch.bfloat16))
+                 for kind in ("sliding_attention", "full_attention")}
+    start = len(mem.prompts.head_ids)
+    positions = torch.arange(start, start + blob.num_tokens)
+    cached = blob.extras["key_rotated"].float()  # [L, T, H, D] as the engine cached them
+    assert hf.layer_types == ["sliding_attention", "full_attention"]
+    for i, kind in enumerate(hf.layer_types):
+        (other,) = set(ropes) - {kind}
+        own = ropes[kind].rotate(blob.key[i : i + 1], positions).to(torch.bfloat16).float()
+        wrong = ropes[other].rotate(blob.key[i : i + 1], positions).to(torch.bfloat16).float()
+        assert torch.allclose(own, cached[i : i + 1], rtol=2**-7, atol=1e-3), f"layer {i} ({kind})"
+        assert not torch.allclose(wrong, cached[i : i + 1], rtol=2**-7, atol=1e-3)
