@@ -81,6 +81,33 @@ class MemoryConfig:
     max_fact_tokens: int = 256
 
 
+RETRIEVAL_MODES = ("hybrid", "dense", "lexical")
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """How a query ranks the user's facts.
+
+    mode: "hybrid" fuses the dense (MiniLM cosine) and lexical (BM25) rankings by reciprocal
+      rank; "dense" or "lexical" uses one. Search scores are the fused score in hybrid mode,
+      the cosine in dense mode, BM25 in lexical mode.
+    depth: how many candidates each ranking contributes before fusion.
+    rrf_c: the fusion constant: each ranking adds weight / (rrf_c + rank).
+    lexical_weight: the lexical ranking's weight (the dense one's is 1).
+    """
+
+    mode: str = "hybrid"
+    depth: int = 50
+    rrf_c: float = 60.0
+    lexical_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in RETRIEVAL_MODES:
+            raise ValueError(f"retrieval mode must be one of {RETRIEVAL_MODES}, got {self.mode!r}")
+        if self.depth < 1 or self.rrf_c < 0 or self.lexical_weight < 0:
+            raise ValueError("retrieval depth must be >= 1, rrf_c and lexical_weight >= 0")
+
+
 @dataclass(frozen=True)
 class Config:
     home: Path = field(default_factory=default_home)
@@ -89,6 +116,7 @@ class Config:
     kv: KVConfig = KVConfig()
     prompt: PromptConfig = PromptConfig()
     memory: MemoryConfig = MemoryConfig()
+    retrieval: RetrievalConfig = RetrievalConfig()
 
     @property
     def models_dir(self) -> Path:

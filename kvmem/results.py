@@ -11,7 +11,7 @@ from kvmem.encoding import EncodeReport
 class SearchHit:
     id: str
     text: str
-    score: float  # cosine similarity: higher is more similar
+    score: float  # higher is more relevant: cosine (dense ranking), fused rank score (hybrid), BM25 (lexical)
     metadata: dict
     created_at: float
     kv_status: str

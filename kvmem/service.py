@@ -22,14 +22,16 @@ from collections import Counter
 from dataclasses import replace
 from typing import Iterator
 
-from kvmem.config import Config
+from kvmem.config import RETRIEVAL_MODES, Config
 from kvmem.encoding import EncodeReport, Encoder, salt
 from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
 from kvmem.facts.messages import check_messages, turn_facts
 from kvmem.facts.scope import Scope
 from kvmem.facts.store import MAX_LIMIT, FactRecord, FactStore, HistoryEvent
 from kvmem.facts.text import check_fact_text, check_nested, check_unicode
-from kvmem.index import ExactIndex, validate_filters
+from kvmem.index import ExactIndex, Hit, validate_filters
+from kvmem.index.fusion import reciprocal_rank
+from kvmem.index.lexical import LexicalIndex
 from kvmem.kv.store import KVStore
 from kvmem.model import resolve_model
 from kvmem.results import AddResult, ChatResult, SearchHit
@@ -54,6 +56,7 @@ class KVMem:
         self.facts = FactStore(self.config.home / "facts.sqlite")
         self.embedder = embedder or default_embedder()
         self.index = ExactIndex(self.embedder.dim)
+        self.lexical = LexicalIndex()
         self._write_lock = threading.RLock()  # keeps store, index and blobs in step
         self.stats: Counter[str] = Counter()  # chats per mode, fallbacks
         self._rebuild_index()
@@ -81,6 +84,9 @@ class KVMem:
         for fact_id, scope_key, vector, metadata in self.facts.embeddings():
             scope = Scope.from_key(scope_key)
             self.index.add(scope.user_id, [fact_id], vector[None, :], [_index_metadata(scope, metadata)])
+        for fact_id, scope_key, text, metadata in self.facts.texts():
+            scope = Scope.from_key(scope_key)
+            self.lexical.add(scope.user_id, [fact_id], [text], [_index_metadata(scope, metadata)])
 
     def _requeue_bad_blobs(self) -> None:
         """At start-up, facts marked encoded whose blob is gone, truncated or another fact's
@@ -104,7 +110,7 @@ class KVMem:
             pairs = self.facts.add_many([dict(i, scope=scope, embedding=v) for i, v in zip(items, vectors)])
             new = [r for r, created in pairs if created]
             for r in new:
-                self.index.add(user_id, [r.id], r.embedding[None, :], [_index_metadata(r.scope, r.metadata)])
+                self._index(r, r.embedding)
         report = self._encode_now(new, encode)
         return AddResult(tuple(r.id for r, _ in pairs), len(new), len(pairs) - len(new), report)
 
@@ -153,6 +159,12 @@ class KVMem:
             return None
         return self.encoder.encode(records)
 
+    def _index(self, record: FactRecord, vector) -> None:
+        """Both indexes, in step (caller holds the write lock)."""
+        meta = [_index_metadata(record.scope, record.metadata)]
+        self.index.add(record.scope.user_id, [record.id], vector[None, :], meta)
+        self.lexical.add(record.scope.user_id, [record.id], [record.text], meta)
+
     def encode_pending(self, timeout: float = 600.0) -> bool:
         """Block until the background encoder has nothing left to do."""
         return self._need_encoder().wait_idle(timeout)
@@ -166,8 +178,7 @@ class KVMem:
             record = self.facts.update(fact_id, text.strip(), metadata=metadata, embedding=vector)
             if record.text != old.text:
                 self.kv.delete(fact_id)  # the old KV must never serve the new text
-            self.index.add(record.scope.user_id, [record.id], vector[None, :],
-                           [_index_metadata(record.scope, record.metadata)])
+            self._index(record, vector)
         if record.text != old.text:
             self._encode_now([record], "sync")
         return self.facts.get(fact_id)
@@ -177,6 +188,7 @@ class KVMem:
         with self._write_lock:
             record = self.facts.delete(fact_id)
             self.index.remove(record.scope.user_id, fact_id)
+            self.lexical.remove(record.scope.user_id, fact_id)
             self.kv.delete(fact_id)
 
     def delete_all(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None) -> int:
@@ -185,6 +197,7 @@ class KVMem:
             ids = self.facts.delete_scope(scope)
             for fact_id in ids:
                 self.index.remove(user_id, fact_id)
+                self.lexical.remove(user_id, fact_id)
                 self.kv.delete(fact_id)
         return len(ids)
 
@@ -195,6 +208,7 @@ class KVMem:
                 self.kv.delete(record.id)
             self.facts.reset()
             self.index = ExactIndex(self.embedder.dim)
+            self.lexical = LexicalIndex()
 
     # -- read path ------------------------------------------------------------------------------
 
@@ -215,18 +229,34 @@ class KVMem:
         return self.facts.history(fact_id)
 
     def search(self, query: str, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
-               k: int = 10, filters: dict | None = None) -> list[SearchHit]:
+               k: int = 10, filters: dict | None = None, ranking: str | None = None) -> list[SearchHit]:
+        """The scope's top-k facts for `query`; `ranking` ("hybrid", "dense", "lexical") overrides
+        the configured RetrievalConfig.mode for this call."""
         Scope(user_id, agent_id, run_id)
+        if ranking is not None and ranking not in RETRIEVAL_MODES:
+            raise InvalidInputError(f"ranking must be one of {RETRIEVAL_MODES}, got {ranking!r}")
         if not isinstance(query, str) or not query.strip():
             raise InvalidInputError("query must be a non-empty string")
         check_unicode("query", query)
         check_nested("filters", filters)
         validate_filters(filters or {})  # the user's own filters, checked before scope keys join them
         conditions = {**(filters or {}), **{k_: v for k_, v in (("_agent_id", agent_id), ("_run_id", run_id)) if v}}
-        vector = self.embedder.embed([query])[0]
-        hits = self.index.search(user_id, vector, k, validate_filters(conditions) if conditions else None)
+        hits = self._rank(user_id, query, k, validate_filters(conditions) if conditions else None,
+                          ranking or self.config.retrieval.mode)
         records = [(h, self.facts.get(h.id)) for h in hits]
         return [SearchHit(r.id, r.text, float(h.score), r.metadata, r.created_at, r.kv_status) for h, r in records]
+
+    def _rank(self, user_id: str, query: str, k: int, conditions, mode: str) -> list[Hit]:
+        r = self.config.retrieval
+        if mode == "lexical":
+            return self.lexical.search(user_id, query, k, conditions)
+        vector = self.embedder.embed([query])[0]
+        if mode == "dense":
+            return self.index.search(user_id, vector, k, conditions)
+        depth = max(k, r.depth)
+        dense = self.index.search(user_id, vector, depth, conditions)
+        lexical = self.lexical.search(user_id, query, depth, conditions)
+        return reciprocal_rank([dense, lexical], k, r.rrf_c, [1.0, r.lexical_weight])
 
     def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
              run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,

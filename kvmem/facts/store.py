@@ -342,16 +342,22 @@ class FactStore:
 
     def embeddings(self) -> Iterator[tuple[str, str, np.ndarray, dict[str, Any]]]:
         """(fact_id, scope_key, vector, metadata) of every fact that has an embedding."""
-        sql = (
-            "SELECT rowid, id, scope_key, embedding, metadata FROM facts"
-            " WHERE embedding IS NOT NULL AND rowid > ? ORDER BY rowid LIMIT ?"
-        )
+        for row in self._columns("id, scope_key, embedding, metadata", "embedding IS NOT NULL"):
+            yield row["id"], row["scope_key"], _vector_from(row["embedding"]), json.loads(row["metadata"])
+
+    def texts(self) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
+        """(fact_id, scope_key, text, metadata) of every fact."""
+        for row in self._columns("id, scope_key, text, metadata", "1"):
+            yield row["id"], row["scope_key"], row["text"], json.loads(row["metadata"])
+
+    def _columns(self, columns: str, where: str) -> Iterator[sqlite3.Row]:
+        """Every row matching `where`, in rowid order, read in chunks (the lock is not held between)."""
+        sql = f"SELECT rowid, {columns} FROM facts WHERE {where} AND rowid > ? ORDER BY rowid LIMIT ?"
         after = 0
         while True:
             with self._lock:
                 rows = self._open().execute(sql, (after, _CHUNK)).fetchall()
-            for row in rows:
-                yield row["id"], row["scope_key"], _vector_from(row["embedding"]), json.loads(row["metadata"])
+            yield from rows
             if len(rows) < _CHUNK:
                 return
             after = rows[-1]["rowid"]
