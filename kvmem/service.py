@@ -30,7 +30,7 @@ from kvmem.facts.scope import Scope
 from kvmem.facts.store import MAX_LIMIT, FactRecord, FactStore, HistoryEvent
 from kvmem.facts.text import check_fact_text, check_nested, check_unicode
 from kvmem.index import ExactIndex, Hit, validate_filters
-from kvmem.index.fusion import reciprocal_rank
+from kvmem.index import fusion
 from kvmem.index.lexical import LexicalIndex
 from kvmem.kv.store import KVStore
 from kvmem.model import resolve_model
@@ -254,9 +254,11 @@ class KVMem:
         if mode == "dense":
             return self.index.search(user_id, vector, k, conditions)
         depth = max(k, r.depth)
-        dense = self.index.search(user_id, vector, depth, conditions)
-        lexical = self.lexical.search(user_id, query, depth, conditions)
-        return reciprocal_rank([dense, lexical], k, r.rrf_c, [1.0, r.lexical_weight])
+        lexical = self.lexical.scores(user_id, query, conditions)
+        top_lexical = sorted(lexical, key=lambda i: (-lexical[i], i))[:depth]
+        candidates = [h.id for h in self.index.search(user_id, vector, depth, conditions)] + top_lexical
+        dense = self.index.similarities(user_id, vector, candidates)
+        return fusion.linear(dense, lexical, k, r.dense_weight)
 
     def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
              run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,

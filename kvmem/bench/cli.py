@@ -48,6 +48,11 @@ def add_parsers(sub) -> None:
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")
     _common(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
+    rt = ev.add_parser("retrieval", help="LoCoMo evidence recall@5/10/20 per category: dense, lexical, hybrid")
+    rt.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
+                    help="comma-separated sample ids (default: all)")
+    _common(rt, "retrieval")
+    rt.set_defaults(func=cmd_retrieval)
 
 
 def _common(p, name: str) -> None:
@@ -87,6 +92,17 @@ def cmd_oracle(args, config) -> int:
     with _open(config) as mem:
         result = oracle.run(mem)
     print(oracle.report(result, (args.out or RESULTS) / "oracle"))
+    return 0
+
+
+def cmd_retrieval(args, config) -> int:
+    from kvmem.bench import eval_retrieval
+    from kvmem.service import KVMem
+
+    with KVMem(config, start_engine=False, background=False) as mem:  # retrieval only: no engine
+        result = eval_retrieval.run(mem, args.data, args.conversations)
+    subset = "-" + "+".join(sorted(args.conversations)) if args.conversations else ""
+    print(eval_retrieval.report(result, (args.out or RESULTS) / f"retrieval{subset}"))
     return 0
 
 

@@ -83,6 +83,18 @@ class ExactIndex(VectorIndex):
                 return []
             return _search_block(block, q, int(k), conditions)
 
+    def similarities(self, scope_key: str, query: np.ndarray, ids: Sequence[str]) -> dict[str, float]:
+        """Cosine of `query` [dim] with each of `ids` in the scope (ids not there are left out)."""
+        check_scope(scope_key)
+        q = unit_query(query, self.dim)  # [dim]
+        with self._lock.read():
+            block = self._scopes.get(scope_key)
+            if block is None:
+                return {}
+            found = [i for i in ids if i in block.rows]
+            rows = [block.rows[i] for i in found]
+            return dict(zip(found, (block.vectors[rows] @ q).tolist()))  # [m, dim] @ [dim] -> [m]
+
     def count(self, scope_key: str) -> int:
         with self._lock.read():
             block = self._scopes.get(scope_key)

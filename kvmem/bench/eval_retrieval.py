@@ -1,0 +1,80 @@
+"""`kvmem eval retrieval`: evidence recall@k of each ranking on LoCoMo observation memory.
+
+No engine: facts are stored and searched only. Per question (categories 1-4 with evidence),
+recall@k is the share of its evidence turns among the sources of the top-k facts. Each ranking
+("dense", "lexical", "hybrid") is asked for the largest k once; smaller k are its prefixes.
+Search latency per query is reported beside (embedding the query included).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvmem.bench import locomo
+from kvmem.bench.eval_locomo import dia_ids_of
+from kvmem.bench.report import write_json
+from kvmem.config import RETRIEVAL_MODES
+
+KS = (5, 10, 20)
+CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
+
+
+def build(mem, conv: dict) -> str:
+    """The conversation's observations under their own user (kept from an earlier run)."""
+    user = f"retrieval-{conv['sample_id']}"
+    if not mem.get_all(user_id=user, limit=1):
+        obs = locomo.observations(conv)
+        for o in obs:
+            mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)},
+                    encode="none")
+    return user
+
+
+def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODES, ks=KS) -> dict:
+    convs = [c for c in locomo.load(data) if not conversations or c["sample_id"] in conversations]
+    rows, latency = [], {r: [] for r in rankings}
+    for conv in tqdm(convs, desc="eval retrieval", unit="conv"):
+        user = build(mem, conv)
+        for q in locomo.questions(conv):
+            evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
+            if not evidence:
+                continue
+            row = {"conversation": conv["sample_id"], "category": q["category"]}
+            for ranking in rankings:
+                start = time.perf_counter()
+                hits = mem.search(q["question"], user_id=user, k=max(ks), ranking=ranking)
+                latency[ranking].append(time.perf_counter() - start)
+                sources = [dia_ids_of(mem.get(h.id)) for h in hits]
+                row[ranking] = {k: len(evidence & set().union(*sources[:k])) / len(evidence) for k in ks}
+            rows.append(row)
+    return {"conversations": [c["sample_id"] for c in convs], "ks": list(ks), "rankings": list(rankings),
+            "recall": _table(rows, rankings, ks), "questions": len(rows),
+            "search_ms_p50": {r: 1e3 * statistics.median(v) for r, v in latency.items() if v}}
+
+
+def _table(rows: list[dict], rankings, ks) -> dict:
+    """ranking -> group ("overall", "multi-hop", ...) -> k -> mean recall (and n)."""
+    groups = {"overall": rows, **{name: [r for r in rows if r["category"] == c] for c, name in CATEGORIES.items()}}
+    return {ranking: {g: {"n": len(rs), **{str(k): (sum(r[ranking][k] for r in rs) / len(rs) if rs else None)
+                                          for k in ks}}
+                      for g, rs in groups.items()}
+            for ranking in rankings}
+
+
+def report(result: dict, out: Path) -> str:
+    path = write_json(result, out.with_suffix(".json"))
+    ks = result["ks"]
+    lines = [f"Evidence recall@k on {', '.join(result['conversations'])} ({result['questions']} questions)", "",
+             "| ranking | group | n | " + " | ".join(f"recall@{k}" for k in ks) + " |",
+             "|---|---|---|" + "---|" * len(ks)]
+    for ranking, groups in result["recall"].items():
+        for group, cells in groups.items():
+            values = " | ".join("-" if cells[str(k)] is None else f"{cells[str(k)]:.3f}" for k in ks)
+            lines.append(f"| {ranking} | {group} | {cells['n']} | {values} |")
+    lines += ["", "search p50 (ms, query embedding included): " +
+              ", ".join(f"{r} {ms:.2f}" for r, ms in result["search_ms_p50"].items()), f"wrote {path}"]
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""Hybrid retrieval through the service: the lexical index stays in step with every write."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmem.config import Config
+from kvmem.errors import InvalidInputError
+from kvmem.index.lexical import LexicalIndex
+from kvmem.service import KVMem
+
+CARS = [f"Maya's neighbour {n} drives a {c} car to work every day." for n, c in
+        [("Ines", "red"), ("Omar", "green"), ("Lia", "silver"), ("Jon", "black"), ("Eva", "white"), ("Kai", "grey")]]
+BERTHA = "Maya drives an old blue Volvo that she calls Bertha."
+QUERIES = ["Who is Bertha?", "Which car does the neighbour drive?", "What colour is the Volvo?", "pottery class"]
+
+
+@pytest.fixture
+def mem(tmp_path, model_dir):
+    config = Config(home=tmp_path / "home", models_home=model_dir.parent)
+    with KVMem(config, start_engine=False) as m:
+        yield m
+
+
+def rebuilt(mem) -> LexicalIndex:
+    fresh = LexicalIndex()
+    for fact_id, _, text, _ in mem.facts.texts():
+        fresh.add(mem.get(fact_id).scope.user_id, [fact_id], [text])
+    return fresh
+
+
+def assert_in_step(mem, user: str) -> None:
+    fresh = rebuilt(mem)
+    for q in QUERIES:
+        assert mem.lexical.search(user, q, 20) == fresh.search(user, q, 20), q
+
+
+def test_a_fact_named_by_the_query_is_found(mem):
+    ids = mem.add(facts=CARS + [BERTHA], user_id="u", encode="none").ids
+    lexical = mem.search("Who is Bertha?", user_id="u", k=2, ranking="lexical")
+    assert lexical[0].id == ids[-1]
+    hybrid = mem.search("Who is Bertha?", user_id="u", k=2)
+    assert ids[-1] in [h.id for h in hybrid] and all(0 <= h.score <= 1 for h in hybrid)
+    dense = mem.search("Who is Bertha?", user_id="u", k=2, ranking="dense")
+    assert [h.score for h in dense] == sorted((h.score for h in dense), reverse=True)
+    with pytest.raises(InvalidInputError, match="ranking must be one of"):
+        mem.search("x", user_id="u", ranking="bm25")
+
+
+def test_lexical_index_follows_updates_deletes_and_filters(mem):
+    ids = mem.add(facts=CARS + [BERTHA], user_id="u", metadata={"topic": "cars"}, encode="none").ids
+    mem.add(facts=["Maya started a pottery class."], user_id="u", metadata={"topic": "hobby"}, encode="none")
+    mem.add(facts=["Bertha is Tom's grandmother."], user_id="other", encode="none")
+    assert_in_step(mem, "u")
+    mem.update(ids[-1], "Maya drives an old blue Volvo that she calls Greta.")
+    assert ids[-1] not in [h.id for h in mem.search("Bertha", user_id="u", k=5, ranking="lexical")]
+    assert mem.search("Greta", user_id="u", k=1, ranking="lexical")[0].id == ids[-1]
+    mem.delete(ids[0])
+    assert ids[0] not in [h.id for h in mem.search("Ines red car", user_id="u", k=10)]
+    assert [h.text for h in mem.search("pottery", user_id="u", k=5, filters={"topic": "hobby"})] == \
+        ["Maya started a pottery class."]
+    assert mem.search("pottery", user_id="u", k=5, filters={"topic": "cars"}, ranking="lexical") == []
+    assert_in_step(mem, "u")
+    assert [h.text for h in mem.search("Bertha", user_id="other", k=5, ranking="lexical")] == ["Bertha is Tom's grandmother."]
+    mem.delete_all(user_id="u")
+    assert mem.search("pottery", user_id="u", k=5) == [] and mem.lexical.count("u") == 0
+    mem.reset()
+    assert mem.lexical.count("other") == 0
