@@ -46,6 +46,8 @@ def add_parsers(sub) -> None:
     lc.add_argument("--limit", type=int, default=40,
                     help="questions per conversation, drawn at random (--seed); 0 for all (default: 40)")
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")
+    lc.add_argument("--ranking", choices=("hybrid", "dense", "lexical"), default=None,
+                    help="retrieval ranking (default: the configured one, hybrid)")
     _common(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
     rt = ev.add_parser("retrieval", help="LoCoMo evidence recall@5/10/20 per category: dense, lexical, hybrid")
@@ -110,7 +112,7 @@ def cmd_locomo(args, config) -> int:
     from kvmem.bench import eval_locomo, eval_report
 
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
-                                 seed=args.seed, workers=args.workers)
+                                 seed=args.seed, workers=args.workers, ranking=args.ranking)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")

@@ -39,6 +39,7 @@ class EvalConfig:
     seed: int = 0
     max_tokens: int = 32
     workers: int = 4
+    ranking: str | None = None  # None: the service's configured retrieval (hybrid by default)
 
     @property
     def window_size(self) -> int:
@@ -50,14 +51,23 @@ class EvalConfig:
         sample = (f"-limit{self.limit}" + (f"-seed{self.seed}" if self.seed else "")) if self.limit else ""
         # A subset is part of the name, so resuming one run never mixes in another's questions.
         subset = "-" + "+".join(sorted(self.conversations)) if self.conversations else ""
-        return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}"
+        ranking = f"-{self.ranking}" if self.ranking else ""
+        return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}{ranking}"
 
 
 def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
     """Store the conversation's memory under its own user; returns that user id."""
     user = f"locomo-{conv['sample_id']}-{cfg.memory}-w{cfg.window_size}"
-    if mem.get_all(user_id=user, limit=1):
-        return user  # built by an earlier (possibly interrupted) run
+    if not mem.get_all(user_id=user, limit=1):  # else stored by an earlier (maybe interrupted) run
+        _store(mem, conv, cfg, user)
+    # Encoded for this model: facts stored under another model (same home) have no blob of ours.
+    pending = [r for r in mem.get_all(user_id=user, limit=10_000) if r.kv_status != "encoded"]
+    if pending:
+        mem.encoder.encode(pending, progress=True)
+    return user
+
+
+def _store(mem, conv: dict, cfg: EvalConfig, user: str) -> None:
     if cfg.memory == "observations":
         for o in locomo.observations(conv):
             context = _observation_context(mem, conv, o, cfg.window_size)
@@ -68,9 +78,6 @@ def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
             messages = [_message(conv, t, date) for t in turns]
             mem.add(messages, user_id=user, metadata={"session": n}, window=cfg.window_size,
                     encode="none")
-    pending = mem.get_all(user_id=user, limit=10_000)
-    mem.encoder.encode(pending, progress=True)
-    return user
 
 
 def _message(conv: dict, turn: dict, date: str) -> dict:
@@ -93,7 +100,7 @@ def dia_ids_of(record) -> set[str]:
 
 
 def answer_question(mem, user: str, q: dict, cfg: EvalConfig) -> dict:
-    hits = mem.search(q["question"], user_id=user, k=cfg.k)
+    hits = mem.search(q["question"], user_id=user, k=cfg.k, ranking=cfg.ranking)
     records = sorted((mem.get(h.id) for h in hits), key=lambda r: (r.created_at, r.position or 0, r.id))
     ids = [r.id for r in records]
     found = set().union(*(dia_ids_of(r) for r in records)) if records else set()
@@ -115,7 +122,8 @@ def answer_question(mem, user: str, q: dict, cfg: EvalConfig) -> dict:
 
 def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / f"{cfg.name}.jsonl"
+    # Per model: resuming must never pick up another model's answers from the same home.
+    log_path = out_dir / f"{cfg.name}.{mem.model.fingerprint[:12]}.jsonl"
     done = {json.loads(line)["key"] for line in log_path.open()} if log_path.exists() else set()
     convs = [c for c in locomo.load(cfg.data) if not cfg.conversations or c["sample_id"] in cfg.conversations]
     jobs = []

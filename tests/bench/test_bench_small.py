@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from kvmem.bench import eval_locomo, eval_report, load, oracle, ttft
+from kvmem.bench import eval_locomo, eval_report, load, locomo, oracle, ttft
 
 
 def test_oracle_bench_finds_k1_exact(mem, tmp_path):
@@ -60,3 +60,19 @@ def test_locomo_eval_tiny_is_sane_and_resumes(mem, tmp_path, locomo_path):
     for mode in ("text", "kv", "off"):
         assert 0.0 <= overall[f"f1_{mode}"][0] <= 1.0 and overall[f"ll_{mode}"][0] < 0
     assert "overall" in eval_report.markdown(summary, cfg.name)
+
+
+def test_locomo_eval_never_resumes_from_another_models_log(mem, tmp_path, locomo_path):
+    """Two models sharing a home: the second must answer itself and encode the stored facts
+    for its own KV (it once took the first model's log as done and served KV mode as text)."""
+    cfg = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=2, workers=2, ranking="dense")
+    user = eval_locomo.build_memory(mem, locomo.load(locomo_path)[0], cfg)
+    bogus = "".join(json.dumps({"key": f"conv-26#{i}", "bogus": True}) + "\n" for i in range(50))
+    for name in (f"{cfg.name}.jsonl", f"{cfg.name}.{'0' * 12}.jsonl"):  # unkeyed (as logs were), another model's
+        (tmp_path / name).write_text(bogus)
+    mem.kv.delete(mem.get_all(user_id=user, limit=1)[0].id)  # as if encoded by another model only
+    mem.facts.set_kv_status(mem.get_all(user_id=user, limit=1)[0].id, "pending")
+    rows = eval_locomo.run(mem, cfg, tmp_path)
+    assert len(rows) == 2 and not any(r.get("bogus") for r in rows)
+    assert all(r.kv_status == "encoded" for r in mem.get_all(user_id=user, limit=10_000))
+    assert (tmp_path / f"{cfg.name}.{mem.model.fingerprint[:12]}.jsonl").exists() and cfg.name.endswith("-dense")
