@@ -253,12 +253,8 @@ class KVMem:
         vector = self.embedder.embed([query])[0]
         if mode == "dense":
             return self.index.search(user_id, vector, k, conditions)
-        depth = max(k, r.depth)
-        lexical = self.lexical.scores(user_id, query, conditions)
-        top_lexical = sorted(lexical, key=lambda i: (-lexical[i], i))[:depth]
-        candidates = [h.id for h in self.index.search(user_id, vector, depth, conditions)] + top_lexical
-        dense = self.index.similarities(user_id, vector, candidates)
-        return fusion.linear(dense, lexical, k, r.dense_weight)
+        return fusion.hybrid_search(self.index, self.lexical, user_id, vector, query, k, conditions,
+                                    r.depth, r.dense_weight)
 
     def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
              run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,

@@ -8,8 +8,23 @@ alone 0.611) and was flat for a dense weight between 0.4 and 0.7 (docs/benchmark
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
 
 from kvmem.index.base import Hit
+
+
+def hybrid_search(vectors, lexical, scope_key: str, vector: np.ndarray, query: str, k: int,
+                  conditions: Any = None, depth: int = 100, dense_weight: float = 0.6) -> list[Hit]:
+    """Top-k of a scope by fused dense and BM25 scores: the candidates are the top `depth` of
+    each ranking; `vectors` (ExactIndex) gives every candidate's cosine, `lexical`
+    (LexicalIndex) its BM25."""
+    depth = max(k, depth)
+    dense_top = [h.id for h in vectors.search(scope_key, vector, depth, conditions)]
+    bm25 = lexical.scores(scope_key, query, conditions, top=depth, also=dense_top)
+    candidates = dense_top + [i for i in bm25 if bm25[i] > 0]
+    return linear(vectors.similarities(scope_key, vector, candidates), bm25, k, dense_weight)
 
 
 def linear(dense: Mapping[str, float], lexical: Mapping[str, float], k: int, dense_weight: float) -> list[Hit]:

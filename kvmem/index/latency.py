@@ -1,4 +1,5 @@
-"""Median `ExactIndex.search` latency at a few scope sizes. Run: python -m kvmem.index.latency
+"""Median search latency at a few scope sizes: `ExactIndex.search`, and the hybrid search
+(dense + BM25 fused) over the same facts. Run: python -m kvmem.index.latency
 
 A quick read on whether exact search is still cheap enough at per-user sizes; not a test
 (timings depend on the machine), so nothing here asserts.
@@ -13,6 +14,8 @@ from collections.abc import Callable
 import numpy as np
 
 from kvmem.index.exact import ExactIndex
+from kvmem.index.fusion import hybrid_search
+from kvmem.index.lexical import LexicalIndex
 
 DIM = 384  # all-MiniLM-L6-v2
 SIZES = (100, 1_000, 10_000)
@@ -20,12 +23,20 @@ K = 10
 FILTER = {"kind": {"in": ["pref", "fact"]}, "day": {"gte": "2024-06-01"}}
 
 
-def build(n: int, rng: np.random.Generator) -> ExactIndex:
-    index = ExactIndex(DIM)
+WORDS = ("maya caroline melanie paint pottery race charity lake sunrise book concert band guitar camp trip "
+         "dog cat school job bakery berlin porto marathon brother sister daughter birthday volvo japanese").split()
+
+
+def build(n: int, rng: np.random.Generator) -> tuple[ExactIndex, LexicalIndex]:
+    index, lexical = ExactIndex(DIM), LexicalIndex()
     kinds = ["pref", "fact", "event", "misc"]
     metas = [{"kind": kinds[i % 4], "day": f"2024-{i % 12 + 1:02d}-01"} for i in range(n)]
-    index.add("user", [f"m{i}" for i in range(n)], rng.normal(size=(n, DIM)).astype(np.float32), metas)
-    return index
+    ids = [f"m{i}" for i in range(n)]
+    index.add("user", ids, rng.normal(size=(n, DIM)).astype(np.float32), metas)
+    # Fact-sized texts (12 words) over a small vocabulary: common words match many facts.
+    texts = [" ".join(rng.choice(WORDS, 12)) + f" w{i % 997}" for i in range(n)]
+    lexical.add("user", ids, texts, metas)
+    return index, lexical
 
 
 def median_us(fn: Callable[[np.ndarray], object], queries: np.ndarray, reps: int) -> float:
@@ -46,14 +57,18 @@ def main() -> None:
     queries = rng.normal(size=(64, DIM)).astype(np.float32)  # [64, dim]
     print(f"ExactIndex.search, dim={DIM}, k={K}, one scope; median over many calls")
     print(f"filtered: {FILTER} (matches 1/4 of rows)")
-    print(f"{'vectors':>8} | {'unfiltered':>12} | {'filtered':>12} | reps (plain/filtered)")
-    print(f"{'-' * 8}-+-{'-' * 12}-+-{'-' * 12}-+-----")
+    print("hybrid: dense top-100 and BM25 top-100 fused (3-word queries), no filter")
+    print(f"{'vectors':>8} | {'unfiltered':>12} | {'filtered':>12} | {'hybrid':>12} | reps (plain/filtered)")
+    print(f"{'-' * 8}-+-{'-' * 12}-+-{'-' * 12}-+-{'-' * 12}-+-----")
+    texts = [" ".join(rng.choice(WORDS, 3)) for _ in range(len(queries))]
     for n in SIZES:
-        index = build(n, rng)
+        index, lexical = build(n, rng)
         reps = max(200, 200_000 // n)  # more repetitions where one call is short
         plain = median_us(lambda q: index.search("user", q, K), queries, reps)
         filtered = median_us(lambda q: index.search("user", q, K, FILTER), queries, min(reps, 500))
-        print(f"{n:>8} | {plain:>9.1f} us | {filtered:>9.1f} us | {reps}/{min(reps, 500)}")
+        words = iter(texts * (reps + 10))
+        fused = median_us(lambda q: hybrid_search(index, lexical, "user", q, next(words), K), queries, min(reps, 500))
+        print(f"{n:>8} | {plain:>9.1f} us | {filtered:>9.1f} us | {fused:>9.1f} us | {reps}/{min(reps, 500)}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ import re
 import threading
 from collections import Counter
 from functools import lru_cache
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from kvmem.index.base import Hit
 from kvmem.index.checks import check_ids, check_metadatas, check_scope
@@ -48,48 +50,88 @@ def terms(text: str) -> list[str]:
 
 
 class _Scope:
+    """One scope's inverted index over rows: postings are append-only (row, count) arrays per
+    term; a removed or replaced fact's row is marked dead and skipped, and the rows are
+    compacted once the dead outnumber the live, so every write stays O(its own terms)."""
+
     def __init__(self) -> None:
-        self.postings: dict[str, dict[str, int]] = {}  # term -> {id: count in that fact}
-        self.lengths: dict[str, int] = {}  # id -> number of terms
-        self.vocab: dict[str, tuple[str, ...]] = {}  # id -> its distinct terms (for removal)
-        self.metas: dict[str, Mapping[str, Any] | None] = {}
-        self.total = 0  # sum of lengths
+        self.rows: dict[str, int] = {}  # live id -> row
+        self.ids: list[str | None] = []  # row -> id (None once dead)
+        self.counts: list[Counter | None] = []  # row -> its term counts (kept for compaction)
+        self.metas: list[Mapping[str, Any] | None] = []
+        self.lengths = np.zeros(16, dtype=np.float64)  # [capacity] terms per row
+        self.alive = np.zeros(16, dtype=bool)  # [capacity] row holds a live fact
+        self.postings: dict[str, tuple[list[int], list[int]]] = {}  # term -> (rows, counts)
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # term -> postings as arrays
+        self.total = 0  # terms over the live rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
     def upsert(self, fact_id: str, text: str, meta: Mapping[str, Any] | None) -> None:
         self.remove(fact_id)
-        counts = Counter(terms(text))
+        self._append(fact_id, Counter(terms(text)), meta)
+
+    def _append(self, fact_id: str, counts: Counter, meta) -> None:
+        row = len(self.ids)
+        if row == len(self.lengths):  # doubling: amortised O(1) per row
+            self.lengths = np.concatenate([self.lengths, np.zeros(row, dtype=np.float64)])
+            self.alive = np.concatenate([self.alive, np.zeros(row, dtype=bool)])
+        self.rows[fact_id] = row
+        self.ids.append(fact_id)
+        self.counts.append(counts)
+        self.metas.append(meta)
+        self.lengths[row] = sum(counts.values())
+        self.alive[row] = True
+        self.total += int(self.lengths[row])
         for term, n in counts.items():
-            self.postings.setdefault(term, {})[fact_id] = n
-        self.lengths[fact_id] = sum(counts.values())
-        self.vocab[fact_id] = tuple(counts)
-        self.metas[fact_id] = meta
-        self.total += self.lengths[fact_id]
+            rows, tfs = self.postings.setdefault(term, ([], []))
+            rows.append(row)
+            tfs.append(n)
+            self._arrays.pop(term, None)
 
     def remove(self, fact_id: str) -> bool:
-        length = self.lengths.pop(fact_id, None)
-        if length is None:
+        row = self.rows.pop(fact_id, None)
+        if row is None:
             return False
-        self.metas.pop(fact_id)
-        self.total -= length
-        for term in self.vocab.pop(fact_id):
-            del self.postings[term][fact_id]
-            if not self.postings[term]:
-                del self.postings[term]
+        self.total -= int(self.lengths[row])
+        self.alive[row] = False
+        self.ids[row] = self.counts[row] = self.metas[row] = None
+        if len(self.ids) > 32 and len(self.ids) > 2 * len(self.rows):
+            self._compact()
         return True
 
-    def scores(self, query_terms: list[str]) -> dict[str, float]:
-        n = len(self.lengths)
-        avg = self.total / n if n and self.total else 1.0
-        out: dict[str, float] = {}
+    def _compact(self) -> None:
+        live = [(i, c, m) for i, c, m in zip(self.ids, self.counts, self.metas) if i is not None]
+        self.__init__()
+        for fact_id, counts, meta in live:
+            self._append(fact_id, counts, meta)
+
+    def scores(self, query_terms: list[str]) -> np.ndarray:
+        """BM25 of every row [rows] (dead rows and rows sharing no term score 0)."""
+        out = np.zeros(len(self.ids), dtype=np.float64)
+        n = len(self.rows)
+        if not n:
+            return out
+        avg = self.total / n if self.total else 1.0
         for term in set(query_terms):
-            ids = self.postings.get(term)
-            if not ids:
+            if term not in self.postings:
                 continue
-            idf = math.log(1 + (n - len(ids) + 0.5) / (len(ids) + 0.5))
-            for fact_id, tf in ids.items():
-                norm = tf + K1 * (1 - B + B * self.lengths[fact_id] / avg)
-                out[fact_id] = out.get(fact_id, 0.0) + idf * tf * (K1 + 1) / norm
+            rows, tfs = self._postings(term)
+            live = self.alive[rows]
+            rows, tfs = rows[live], tfs[live]
+            if not len(rows):
+                continue
+            idf = math.log(1 + (n - len(rows) + 0.5) / (len(rows) + 0.5))
+            out[rows] += idf * tfs * (K1 + 1) / (tfs + K1 * (1 - B + B * self.lengths[rows] / avg))
         return out
+
+    def _postings(self, term: str) -> tuple[np.ndarray, np.ndarray]:
+        cached = self._arrays.get(term)
+        if cached is None:
+            rows, tfs = self.postings[term]
+            cached = self._arrays[term] = (np.asarray(rows, dtype=np.int64), np.asarray(tfs, dtype=np.float64))
+        return cached
 
 
 class LexicalIndex:
@@ -117,37 +159,49 @@ class LexicalIndex:
             scope = self._scopes.get(scope_key)
             if scope is None or not scope.remove(fact_id):
                 return False
-            if not scope.lengths:
+            if not len(scope):
                 del self._scopes[scope_key]
             return True
 
     def remove_scope(self, scope_key: str) -> int:
         with self._lock:
             scope = self._scopes.pop(scope_key, None)
-            return len(scope.lengths) if scope is not None else 0
+            return len(scope) if scope is not None else 0
 
     def count(self, scope_key: str) -> int:
         with self._lock:
             scope = self._scopes.get(scope_key)
-            return len(scope.lengths) if scope is not None else 0
+            return len(scope) if scope is not None else 0
 
-    def scores(self, scope_key: str, query: str,
-               filters: Mapping[str, Any] | Filters | None = None) -> dict[str, float]:
-        """BM25 of every fact sharing a term with the query (the others score 0)."""
+    def scores(self, scope_key: str, query: str, filters: Mapping[str, Any] | Filters | None = None,
+               top: int | None = None, also: Iterable[str] = ()) -> dict[str, float]:
+        """BM25 of the facts sharing a term with the query (the `top` best of them, ties
+        included, when given), plus the score of each id in `also` (0 if it shares none)."""
         conditions = validate_filters(filters)
         with self._lock:
             scope = self._scopes.get(scope_key)
             if scope is None:
                 return {}
-            scores = scope.scores(terms(query))
+            vec = scope.scores(terms(query))  # [rows]
+            rows = np.flatnonzero(vec > 0)
             if conditions:
                 match = matcher(conditions)
-                scores = {i: s for i, s in scores.items() if match(scope.metas[i])}
-        return scores
+                keep = np.fromiter((match(scope.metas[r]) for r in rows), dtype=bool, count=len(rows))
+                vec[rows[~keep]] = 0.0
+                rows = rows[keep]
+            if top is not None and top < len(rows):
+                threshold = np.partition(vec[rows], len(rows) - top)[len(rows) - top]
+                rows = rows[vec[rows] >= threshold]  # ties at the threshold stay: ids break them
+            out = {scope.ids[r]: float(vec[r]) for r in rows}
+            for fact_id in also:
+                row = scope.rows.get(fact_id)
+                if row is not None and fact_id not in out:
+                    out[fact_id] = float(vec[row])
+        return out
 
     def search(self, scope_key: str, query: str, k: int,
                filters: Mapping[str, Any] | Filters | None = None) -> list[Hit]:
         """Top-k ids by BM25 of the query's terms (facts sharing none are not returned)."""
-        scores = self.scores(scope_key, query, filters)
+        scores = self.scores(scope_key, query, filters, top=k)
         best = sorted(scores.items(), key=lambda p: (-p[1], p[0]))[:k]
         return [Hit(fact_id, score) for fact_id, score in best]
