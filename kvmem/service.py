@@ -233,6 +233,8 @@ class KVMem:
         """The scope's top-k facts for `query`; `ranking` ("hybrid", "dense", "lexical") overrides
         the configured RetrievalConfig.mode for this call."""
         Scope(user_id, agent_id, run_id)
+        if not _int_at_least(k, 1):
+            raise InvalidInputError(f"k must be an int >= 1, got {k!r}")
         if ranking is not None and ranking not in RETRIEVAL_MODES:
             raise InvalidInputError(f"ranking must be one of {RETRIEVAL_MODES}, got {ranking!r}")
         if not isinstance(query, str) or not query.strip():

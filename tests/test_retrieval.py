@@ -66,3 +66,12 @@ def test_lexical_index_follows_updates_deletes_and_filters(mem):
     assert mem.search("pottery", user_id="u", k=5) == [] and mem.lexical.count("u") == 0
     mem.reset()
     assert mem.lexical.count("other") == 0
+
+
+@pytest.mark.parametrize("ranking", ["hybrid", "dense", "lexical"])
+@pytest.mark.parametrize("k", [0, None, 2.5, True, "3"])
+def test_a_bad_k_is_refused_by_every_ranking(mem, ranking, k):
+    """Hybrid search once crashed on k=None with a TypeError (the dense index checked k itself)."""
+    mem.add(facts=[BERTHA], user_id="u", encode="none")
+    with pytest.raises(InvalidInputError, match="k must be an int >= 1"):
+        mem.search("Bertha", user_id="u", k=k, ranking=ranking)
