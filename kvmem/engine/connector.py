@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -166,8 +167,11 @@ def _sibling_ropes(layers: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Mod
     not their parents, so the parents are found among the live modules, once at start-up."""
     wanted = {id(layer): name for name, layer in layers.items()}
     found = {}
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.nn.Module) or not obj._modules:
+    with warnings.catch_warnings():  # isinstance() on some live objects warns (torch's deprecated reduce_op)
+        warnings.simplefilter("ignore")
+        modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+    for obj in modules:
+        if not obj._modules:
             continue
         children = [c for c in obj._modules.values() if c is not None]
         names = [wanted[id(c)] for c in children if id(c) in wanted]
