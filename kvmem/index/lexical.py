@@ -1,9 +1,9 @@
 """`LexicalIndex`: BM25 over fact texts, per scope, kept in step with every write.
 
 Dense MiniLM vectors miss what a question names exactly (a person, a place, a band, a date);
-BM25 finds those. Each scope is an inverted index (term -> {fact id: term count}) updated in
-place on add, update and delete, so it never needs a rebuild and always equals one
-(tests/index/test_lexical.py checks that against a fresh index).
+BM25 finds those. Each scope is an inverted index over rows (term -> rows and counts), updated
+on add, update and delete (see _Scope), so it never needs a rebuild and always ranks as one
+would (tests/index/test_lexical.py checks that against a fresh index).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 import re
 import threading
 from collections import Counter
-from functools import lru_cache
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
