@@ -1,0 +1,257 @@
+"""GraphIndex (Vamana + RaBitQ) against exact search: recall floors, deletes, persistence, filters."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvmem.errors import InvalidInputError
+from kvmem.index import ExactIndex, VectorIndex
+from kvmem.index import graph as graph_module
+from kvmem.index.graph import GraphIndex, GraphIndexConfig, IndexFileError
+from kvmem.index.rabitq import RaBitQ, estimate, prepare_query
+from kvmem.index.vamana import GraphParams
+
+DIM = 128
+N = 4000
+K = 10
+GRAPH_ONLY = GraphIndexConfig(exact_below=0)  # force the graph path even on small scopes
+
+
+def clustered(n: int, seed: int, centres: int = 40) -> np.ndarray:
+    """Unit vectors around `centres` random directions (the same for every seed), with offsets
+    of varying size: clusters with dense cores, not flat blobs where every point is equidistant."""
+    c = np.random.default_rng(0).standard_normal((centres, DIM))
+    c /= np.linalg.norm(c, axis=1, keepdims=True)
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal((n, DIM))
+    g /= np.linalg.norm(g, axis=1, keepdims=True)
+    x = c[rng.integers(0, centres, n)] + rng.uniform(0.25, 1.75, (n, 1)) * g  # [n, DIM]
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+DATA = clustered(N, seed=1)
+QUERIES = clustered(100, seed=2)
+IDS = [f"f{i:05d}" for i in range(N)]
+METAS = [{"b": i % 100, "tag": "even" if i % 2 == 0 else "odd"} for i in range(N)]
+
+
+def build(config: GraphIndexConfig = GRAPH_ONLY) -> tuple[GraphIndex, ExactIndex]:
+    g, e = GraphIndex(DIM, config), ExactIndex(DIM)
+    for lo in range(0, N, 1000):  # several adds: the graph grows by batches, not one bulk build
+        g.add("u", IDS[lo: lo + 1000], DATA[lo: lo + 1000], METAS[lo: lo + 1000])
+        e.add("u", IDS[lo: lo + 1000], DATA[lo: lo + 1000], METAS[lo: lo + 1000])
+    return g, e
+
+
+@pytest.fixture(scope="module")
+def built() -> tuple[GraphIndex, ExactIndex]:
+    return build()
+
+
+def recall(g: VectorIndex, e: VectorIndex, filters=None, queries: np.ndarray = QUERIES) -> float:
+    found = [len({h.id for h in g.search("u", q, K, filters)} & {h.id for h in e.search("u", q, K, filters)})
+             for q in queries]
+    return sum(found) / (K * len(queries))
+
+
+def test_is_a_vector_index(built):
+    g, _ = built
+    assert isinstance(g, VectorIndex) and g.count("u") == N and len(g) == N
+
+
+def test_recall_floor_against_exact(built):
+    g, e = built
+    assert recall(g, e) >= 0.93
+
+
+def test_wider_beam_reaches_near_exact(built):
+    g, e = built
+    graph = g.graph("u")
+    hits = 0
+    for q in QUERIES:
+        slots, _ = graph.search(q, K, beam=128)
+        hits += len({g._scopes["u"].ids[s] for s in slots.tolist()} & {h.id for h in e.search("u", q, K)})
+    assert hits / (K * len(QUERIES)) >= 0.99
+
+
+def test_scores_are_exact_cosines_best_first(built):
+    g, _ = built
+    by_id = dict(zip(IDS, DATA))
+    for q in QUERIES[:20]:
+        hits = g.search("u", q, K)
+        assert len(hits) == K
+        scores = [h.score for h in hits]
+        assert scores == sorted(scores, reverse=True)
+        np.testing.assert_allclose(scores, [float(by_id[h.id] @ q) for h in hits], atol=1e-5)
+
+
+def test_rabitq_estimate_is_unbiased_and_informative():
+    quant = RaBitQ.fit(DATA, seed=0)
+    codes, factors = quant.encode(DATA)  # [N, W], [N]
+    qbits = np.zeros((4, quant.words), np.uint64)
+    errors, corr = [], []
+    bits = np.unpackbits(codes.view(np.uint8), axis=1, bitorder="little")[:, :DIM]  # [N, DIM]
+    for q in QUERIES[:20]:
+        low, step, total = prepare_query(quant.rotation, q, qbits)
+        planes = np.unpackbits(qbits.view(np.uint8), axis=1, bitorder="little")[:, :DIM]  # [4, DIM]
+        weighted = bits.astype(np.int64) @ (planes.T.astype(np.int64) @ (1 << np.arange(4)))  # [N]
+        est = factors * (2 * (step * weighted + low * bits.sum(1)) - total) + quant.centroid @ q  # [N]
+        exact = DATA @ q
+        kernel = [estimate(codes[i], factors[i], qbits, low, step, total) for i in range(50)]
+        np.testing.assert_allclose(np.asarray(kernel) + quant.centroid @ q, est[:50], atol=1e-4)
+        errors.append(est - exact)
+        corr.append(np.corrcoef(est, exact)[0, 1])
+    errors = np.concatenate(errors)
+    assert abs(errors.mean()) < 0.01  # unbiased: the mean error vanishes, the spread does not
+    assert errors.std() < 0.15
+    assert min(corr) > 0.7  # 1 bit per dimension at DIM=128: informative, far from exact
+
+
+def test_deleted_ids_are_never_returned_and_consolidation_keeps_recall():
+    g, e = build()
+    rng = np.random.default_rng(3)
+    top1 = {g.search("u", q, 1)[0].id for q in QUERIES}  # delete the best answers too
+    gone = set(rng.choice(IDS, size=N // 5, replace=False).tolist()) | top1
+    for id_ in sorted(gone):
+        assert g.remove("u", id_) and e.remove("u", id_)
+    graph = g.graph("u")
+    assert len(graph.free) > 0, "deleting 20% must have run a consolidation"
+    assert graph.tombstones < graph.params.consolidate_share * graph.size
+    for q in QUERIES:
+        assert not {h.id for h in g.search("u", q, 50)} & gone
+    assert recall(g, e) >= 0.93
+    assert g.count("u") == N - len(gone)
+
+
+def test_consolidation_leaves_no_edge_to_a_freed_slot():
+    g, _ = build()
+    assert g.delete("u", IDS[: N // 4]) == N // 4
+    graph = g.graph("u")
+    freed = set(graph.free)
+    assert freed
+    for node in range(graph.size):
+        if node not in freed and not graph.deleted[node]:
+            assert not freed & set(graph.adj[node, : graph.deg[node]].tolist())
+
+
+def test_freed_slots_are_reused_and_new_vectors_are_found():
+    g, e = build()
+    g.delete("u", IDS[:1000])
+    e_ids = IDS[:1000]
+    for id_ in e_ids:
+        e.remove("u", id_)
+    size_before = g.graph("u").size
+    new = clustered(500, seed=9)
+    new_ids = [f"new{i}" for i in range(500)]
+    g.add("u", new_ids, new)
+    e.add("u", new_ids, new)
+    assert g.graph("u").size == size_before  # went into freed slots, no growth
+    assert g.search("u", new[7], 1)[0].id == "new7"
+    assert recall(g, e) >= 0.93
+
+
+def test_readd_replaces_the_vector():
+    g, _ = build()
+    g.add("u", [IDS[0]], QUERIES[:1], [{"b": -1}])
+    assert g.count("u") == N
+    assert g.search("u", QUERIES[0], 1)[0].id == IDS[0]
+    assert [h.id for h in g.search("u", QUERIES[0], 5, {"b": -1})] == [IDS[0]]
+
+
+@pytest.mark.parametrize("share", [0.01, 0.1, 0.5])
+def test_filtered_search_matches_exact(built, share):
+    g, e = built
+    filters = {"b": {"lt": int(share * 100)}}  # b is uniform over 0..99
+    allowed = {id_ for id_, m in zip(IDS, METAS) if m["b"] < share * 100}
+    for q in QUERIES[:30]:
+        assert {h.id for h in g.search("u", q, K, filters)} <= allowed
+    r = recall(g, e, filters, QUERIES[:30])
+    assert r == 1.0 if share < g.config.filter_exact_share else r >= 0.9
+
+
+def test_small_scopes_are_exact():
+    g, e = GraphIndex(DIM), ExactIndex(DIM)  # default config: below exact_below, a scan
+    g.add("s", IDS[:300], DATA[:300], METAS[:300])
+    e.add("s", IDS[:300], DATA[:300], METAS[:300])
+    for q in QUERIES[:10]:
+        assert [h.id for h in g.search("s", q, K)] == [h.id for h in e.search("s", q, K)]
+
+
+def test_save_load_round_trip(built, tmp_path):
+    g, _ = built
+    path = tmp_path / "index.npz"
+    g.save(path)
+    h = GraphIndex.load(path)
+    assert h.count("u") == N and h.config == g.config
+    for q in QUERIES:
+        assert h.search("u", q, K) == g.search("u", q, K)
+        assert h.search("u", q, K, {"tag": "odd"}) == g.search("u", q, K, {"tag": "odd"})
+
+
+def test_loaded_index_keeps_growing_like_the_original(tmp_path):
+    g, _ = build()
+    g.delete("u", IDS[:500])
+    g.save(tmp_path / "a.npz")
+    h = GraphIndex.load(tmp_path / "a.npz")
+    more = clustered(300, seed=11)
+    for ix in (g, h):
+        ix.add("u", [f"m{i}" for i in range(300)], more)
+    for q in QUERIES[:30]:
+        assert h.search("u", q, K) == g.search("u", q, K)
+
+
+def test_crash_during_save_leaves_previous_index_loadable(built, tmp_path, monkeypatch):
+    g, _ = built
+    path = tmp_path / "index.npz"
+    g.save(path)
+    before = [g.search("u", q, K) for q in QUERIES[:10]]
+
+    other = GraphIndex(DIM, GRAPH_ONLY)
+    other.add("v", IDS[:50], DATA[:50])
+
+    def savez_then_crash(f, **arrays):
+        f.write(b"PK\x03\x04 half a zip")  # the write is under way ...
+        raise OSError("disk full")  # ... and dies midway
+
+    monkeypatch.setattr(graph_module.np, "savez", savez_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        other.save(path)
+    monkeypatch.undo()
+
+    assert os.listdir(tmp_path) == ["index.npz"]  # the temp file is gone too
+    loaded = GraphIndex.load(path)
+    assert loaded.count("v") == 0
+    assert [loaded.search("u", q, K) for q in QUERIES[:10]] == before
+
+
+def test_unreadable_file_raises_index_file_error(tmp_path):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(IndexFileError):
+        GraphIndex.load(bad)
+    with pytest.raises(IndexFileError):
+        GraphIndex.load(tmp_path / "missing.npz")
+
+
+def test_delete_everything_drops_the_scope():
+    g = GraphIndex(DIM, GRAPH_ONLY)
+    g.add("u", IDS[:100], DATA[:100])
+    assert g.delete("u", IDS[:100] + ["never"]) == 100
+    assert g.count("u") == 0 and g.search("u", QUERIES[0], K) == []
+    assert not g.remove("u", IDS[0])
+
+
+def test_bad_input_is_refused():
+    g = GraphIndex(DIM)
+    with pytest.raises(InvalidInputError):
+        g.add("u", ["a"], np.zeros((1, DIM)))
+    with pytest.raises(InvalidInputError):
+        g.add("u", ["a"], np.ones((1, DIM + 1)))
+    with pytest.raises(InvalidInputError):
+        g.search("u", np.ones(DIM), 0)
+    with pytest.raises(InvalidInputError):
+        GraphParams(degree=32, build_beam=16)
+    assert len(g) == 0
