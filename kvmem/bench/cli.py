@@ -1,4 +1,4 @@
-"""`kvmem bench ttft|load|oracle` and `kvmem eval locomo`: argument parsing and report writing."""
+"""`kvmem bench ttft|load|oracle|ann` and `kvmem eval locomo`: argument parsing and report writing."""
 
 from __future__ import annotations
 
@@ -32,6 +32,16 @@ def add_parsers(sub) -> None:
     o = bench.add_parser("oracle", help="injected KV vs text prefill of the same prompt (k=1 exact, k=10 approx.)")
     o.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     o.set_defaults(func=cmd_oracle)
+    a = bench.add_parser("ann", help="graph index vs faiss HNSW / IVF-RaBitQ, hnswlib, exact scan (clustered data)")
+    a.add_argument("-n", type=int, default=100_000, help="base vectors (default: 100000)")
+    a.add_argument("--dim", type=int, default=384)
+    a.add_argument("--queries", type=int, default=1_000)
+    a.add_argument("--threads", type=int, default=2, help="build threads (search is 1 thread)")
+    a.add_argument("--indexes", type=lambda s: tuple(x for x in s.split(",") if x), default=None,
+                   help="comma-separated subset of kvmem-graph,faiss-hnsw,faiss-ivf-rabitq,hnswlib,exact")
+    a.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
+    a.add_argument("--seed", type=int, default=0)
+    a.set_defaults(func=cmd_ann)
 
     e = sub.add_parser("eval", help="answer-quality evaluations")
     ev = e.add_subparsers(dest="eval", required=True, metavar="EVAL")
@@ -94,6 +104,15 @@ def cmd_oracle(args, config) -> int:
     with _open(config) as mem:
         result = oracle.run(mem)
     print(oracle.report(result, (args.out or RESULTS) / "oracle"))
+    return 0
+
+
+def cmd_ann(args, config) -> int:
+    from kvmem.bench import ann
+
+    cfg = ann.AnnConfig(n=args.n, dim=args.dim, queries=args.queries, threads=args.threads, seed=args.seed,
+                        centres=max(1, args.n // 100), **({"indexes": args.indexes} if args.indexes else {}))
+    print(ann.report(ann.run(cfg), args.out or RESULTS))
     return 0
 
 

@@ -202,7 +202,7 @@ class GraphIndex(VectorIndex):
                 config = _config_from(header["config"])
                 index = cls(int(header["dim"]), config)
                 for i, spec in enumerate(header["scopes"]):
-                    names = ("vectors", "codes", "factors", "adj", "deg", "deleted", "free", "meta", "rotation", "centroid")
+                    names = ("vectors", "codes", "factors", "adj", "deg", "deleted", "free", "meta", "signs", "centroid")
                     state = {n: z[f"s{i}_{n}"] for n in names}
                     index._scopes[spec["key"]] = _restore_scope(spec, state, config.graph)
         except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile) as e:

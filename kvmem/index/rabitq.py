@@ -10,8 +10,8 @@ rotated query over the set bits and S over all bits. The query is rounded to 4 b
 dimension so S_b becomes four AND+popcount passes over 64-bit words; its rounding error is
 far below the 1-bit code's. Ranking drops <c, q>: it is the same for every vector.
 
-The codes live in uint64 words [n, D/64]; D is the dimension padded to a multiple of 64 with
-zeros (padding keeps the rotation orthogonal on the original subspace).
+The codes live in uint64 words [n, D/64]; D is the dimension zero-padded to a power of two
+(the rotation is orthogonal on the padded space, so inner products are kept).
 """
 
 from __future__ import annotations
@@ -38,54 +38,92 @@ def popcount(typingctx, x):
 
 
 def padded_dim(dim: int) -> int:
-    return -(-dim // 64) * 64
+    """The rotation's dimension: a power of two (for the Hadamard transform), at least 64."""
+    return max(64, 1 << (dim - 1).bit_length())
 
 
 @dataclass(frozen=True)
 class RaBitQ:
-    """The codebook of one graph: rotation [Dp, dim] and centroid [dim], fixed once fitted."""
+    """The codebook of one graph: rotation signs [ROUNDS, Dp] and centroid [dim], fixed once fitted.
 
-    rotation: np.ndarray  # [Dp, dim], orthonormal rows restricted to the first dim columns
+    The rotation is ROUNDS rounds of (random sign flips, normalised Walsh-Hadamard transform)
+    on the zero-padded vector: orthogonal, O(D log D) instead of a D x D matrix product (which
+    cost more than the whole walk), and close enough to a random rotation for the estimate.
+    """
+
+    signs: np.ndarray  # [ROUNDS, Dp] of +-1
     centroid: np.ndarray  # [dim]
 
     @classmethod
     def fit(cls, sample: np.ndarray, seed: int) -> "RaBitQ":
-        """Centroid from `sample` [n, dim]; a seeded Haar-random rotation."""
-        dim = sample.shape[1]
-        dp = padded_dim(dim)
-        g = np.random.default_rng(seed).standard_normal((dp, dp))
-        qm, rm = np.linalg.qr(g)
-        qm *= np.sign(np.diag(rm))  # sign fix: makes QR of a Gaussian matrix Haar-distributed
-        rotation = np.ascontiguousarray(qm[:, :dim], dtype=np.float32)  # [Dp, dim]
-        return cls(rotation, sample.mean(axis=0).astype(np.float32))
+        """Centroid from `sample` [n, dim]; seeded random signs."""
+        dp = padded_dim(sample.shape[1])
+        signs = np.random.default_rng(seed).choice(np.float32([-1.0, 1.0]), size=(ROUNDS, dp))
+        return cls(signs.astype(np.float32), sample.mean(axis=0).astype(np.float32))
 
     @property
     def words(self) -> int:
-        return self.rotation.shape[0] // 64
+        return self.signs.shape[1] // 64
 
     def encode(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Codes [n, W] uint64 and factors [n] float32 for unit rows `vectors` [n, dim]."""
-        r = vectors - self.centroid  # [n, dim]
-        norms = np.linalg.norm(r, axis=1)  # [n]
-        x = r @ self.rotation.T  # [n, Dp]; |x| = |r|, the division by |r| cancels in f
-        bits = x > 0  # [n, Dp]
-        codes = np.packbits(bits, axis=1, bitorder="little").view(np.uint64)  # [n, W]
-        l1 = np.abs(x).sum(axis=1)  # [n] = |r| * sum|x_i| of the unit residual
-        with np.errstate(divide="ignore", invalid="ignore"):
-            factors = np.where(l1 > 0, norms * norms / l1, 0.0)  # |r| / sum|x_unit|
-        return np.ascontiguousarray(codes), factors.astype(np.float32)
+        codes = np.zeros((len(vectors), self.words), np.uint64)
+        factors = np.zeros(len(vectors), np.float32)
+        encode_rows(np.ascontiguousarray(vectors, np.float32), self.centroid, self.signs, codes, factors)
+        return codes, factors
+
+
+ROUNDS = 2
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def prepare_query(rotation, q, qbits):
-    """Rotate q [dim] and round it to 4-bit planes qbits [4, W]; returns (low, step, total)."""
-    dp, dim = rotation.shape
-    qr = np.empty(dp, np.float32)  # [Dp]
-    for i in range(dp):
-        s = np.float32(0.0)
+def rotate(x, signs):
+    """Apply the rotation to x [Dp] in place."""
+    n = x.shape[0]
+    scale = np.float32(1.0 / np.sqrt(n))
+    for r in range(signs.shape[0]):
+        for i in range(n):
+            x[i] *= signs[r, i]
+        h = 1
+        while h < n:
+            for i in range(0, n, 2 * h):
+                for j in range(i, i + h):
+                    a = x[j]
+                    b = x[j + h]
+                    x[j] = a + b
+                    x[j + h] = a - b
+            h *= 2
+        for i in range(n):
+            x[i] *= scale
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def encode_rows(rows, centroid, signs, codes, factors):
+    """Sign bits of the rotated residual into codes [n, W]; |r| / sum|x_unit| into factors [n]."""
+    dim = rows.shape[1]
+    x = np.empty(signs.shape[1], np.float32)  # [Dp]
+    for i in range(rows.shape[0]):
+        x[:] = 0
+        norm2 = np.float32(0.0)
         for j in range(dim):
-            s += rotation[i, j] * q[j]
-        qr[i] = s
+            x[j] = rows[i, j] - centroid[j]
+            norm2 += x[j] * x[j]
+        rotate(x, signs)
+        l1 = np.float32(0.0)
+        for j in range(x.shape[0]):
+            l1 += abs(x[j])
+            if x[j] > 0:
+                codes[i, j >> 6] |= np.uint64(1) << np.uint64(j & 63)
+        factors[i] = norm2 / l1 if l1 > 0 else np.float32(0.0)  # |r|^2 / |x|_1 = |r| / |x_unit|_1
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def prepare_query(signs, q, qbits):
+    """Rotate q [dim] and round it to 4-bit planes qbits [4, W]; returns (low, step, total)."""
+    dp = signs.shape[1]
+    qr = np.zeros(dp, np.float32)  # [Dp]
+    qr[: q.shape[0]] = q
+    rotate(qr, signs)
     low = qr.min()
     step = (qr.max() - low) / np.float32(2**QUERY_BITS - 1)
     if step <= 0:

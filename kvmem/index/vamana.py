@@ -175,7 +175,7 @@ class VamanaGraph:
 
         def link(t: int, lo: int, hi: int) -> None:
             stamps[t] = K.link_range(new, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.codes,
-                                     self.factors, self.quantizer.rotation, self.deleted, p.build_beam, alpha,
+                                     self.factors, self.quantizer.signs, self.deleted, p.build_beam, alpha,
                                      visited[t], stamps[t], out, out_deg)
 
         run_chunks(threads, b, link)
@@ -241,7 +241,7 @@ class VamanaGraph:
             return np.empty(0, np.int32), np.empty(0, np.float32)
         visited, stamp = self._visited()
         return K.search_one(q, self.entry, self.adj, self.deg, self.vectors, self.codes, self.factors,
-                            self.quantizer.rotation, self.deleted if blocked is None else blocked,
+                            self.quantizer.signs, self.deleted if blocked is None else blocked,
                             beam or self.params.search_beam, k, visited, stamp)
 
     def search_many(self, queries: np.ndarray, k: int, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -260,7 +260,7 @@ class VamanaGraph:
 
         def walk(t: int, lo: int, hi: int) -> None:
             stamps[t] = K.search_range(queries, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.codes,
-                                       self.factors, self.quantizer.rotation, self.deleted, beam, k,
+                                       self.factors, self.quantizer.signs, self.deleted, beam, k,
                                        visited[t], stamps[t], ids, scores)
 
         run_chunks(threads, m, walk)
@@ -281,7 +281,7 @@ class VamanaGraph:
             "adj": self.adj[:n], "deg": self.deg[:n], "deleted": self.deleted[:n],
             "free": np.asarray(self.free, np.int64),
             "meta": np.asarray([self.dim, n, self.entry], np.int64),
-            "rotation": q.rotation if q else np.zeros((0, self.dim), np.float32),
+            "signs": q.signs if q else np.zeros((0, 64), np.float32),
             "centroid": q.centroid if q else np.zeros(self.dim, np.float32),
         }
 
@@ -289,8 +289,8 @@ class VamanaGraph:
     def from_state(cls, state: dict[str, np.ndarray], params: GraphParams) -> "VamanaGraph":
         dim, n, entry = (int(x) for x in state["meta"])
         g = cls(dim, params, capacity=max(n, 16))
-        if len(state["rotation"]):
-            g.quantizer = RaBitQ(np.ascontiguousarray(state["rotation"]), np.ascontiguousarray(state["centroid"]))
+        if len(state["signs"]):
+            g.quantizer = RaBitQ(np.ascontiguousarray(state["signs"]), np.ascontiguousarray(state["centroid"]))
         g.codes = np.zeros((len(g.vectors), state["codes"].shape[1]), np.uint64)
         for name in ("vectors", "codes", "factors", "adj", "deg", "deleted"):
             getattr(g, name)[:n] = state[name]

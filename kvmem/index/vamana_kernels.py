@@ -48,7 +48,7 @@ def _insert_sorted(ids, scores, flags, size, cap, node, score):
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def walk(q, entry, adj, deg, vectors, codes, factors, rotation, blocked, beam_size, keep,
+def walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, keep,
          visited, stamp, out_ids, out_scores):
     """Greedy beam search from `entry` for unit q [dim]; returns how many results it wrote.
 
@@ -56,7 +56,7 @@ def walk(q, entry, adj, deg, vectors, codes, factors, rotation, blocked, beam_si
     best first. `visited` [cap] holds the stamp of the walk that last saw each node.
     """
     qbits = np.zeros((QUERY_BITS, codes.shape[1]), np.uint64)  # [4, W]
-    low, step, total = prepare_query(rotation, q, qbits)
+    low, step, total = prepare_query(signs, q, qbits)
     b_ids = np.empty(beam_size, np.int32)
     b_scores = np.empty(beam_size, np.float32)
     b_done = np.zeros(beam_size, np.uint8)
@@ -132,12 +132,12 @@ def _prune_set(p, cand, vectors, alpha, degree, out):
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def _link_one(p, entry, adj, deg, vectors, codes, factors, rotation, blocked, beam_size, alpha,
+def _link_one(p, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, alpha,
               visited, stamp, out):
     """Search for node p and prune what the walk expanded into p's out-edges `out`."""
     ids = np.empty(beam_size, np.int32)
     scores = np.empty(beam_size, np.float32)
-    found = walk(vectors[p], entry, adj, deg, vectors, codes, factors, rotation, blocked,
+    found = walk(vectors[p], entry, adj, deg, vectors, codes, factors, signs, blocked,
                  beam_size, beam_size, visited, stamp, ids, scores)
     m = 0
     for i in range(found):
@@ -149,7 +149,7 @@ def _link_one(p, entry, adj, deg, vectors, codes, factors, rotation, blocked, be
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def link_range(new, lo, hi, entry, adj, deg, vectors, codes, factors, rotation, blocked, beam_size, alpha,
+def link_range(new, lo, hi, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, alpha,
                visited, stamp, out, out_deg):
     """Search and prune for new[lo:hi] against the graph as it is; writes out/out_deg rows.
 
@@ -157,7 +157,7 @@ def link_range(new, lo, hi, entry, adj, deg, vectors, codes, factors, rotation, 
     """
     for i in range(lo, hi):
         stamp += 1
-        out_deg[i] = _link_one(new[i], entry, adj, deg, vectors, codes, factors, rotation, blocked,
+        out_deg[i] = _link_one(new[i], entry, adj, deg, vectors, codes, factors, signs, blocked,
                                beam_size, alpha, visited, stamp, out[i])
     return stamp
 
@@ -272,21 +272,21 @@ def consolidate_range(lo, hi, adj, deg, vectors, deleted, alpha, degree):
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def search_one(q, entry, adj, deg, vectors, codes, factors, rotation, blocked, beam_size, k, visited, stamp):
+def search_one(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, k, visited, stamp):
     """Top-k (ids [<=k], exact scores) for one unit query q [dim]."""
     ids = np.empty(k, np.int32)
     scores = np.empty(k, np.float32)
-    found = walk(q, entry, adj, deg, vectors, codes, factors, rotation, blocked, max(beam_size, k), k,
+    found = walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, max(beam_size, k), k,
                  visited, stamp, ids, scores)
     return ids[:found], scores[:found]
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def search_range(queries, lo, hi, entry, adj, deg, vectors, codes, factors, rotation, blocked, beam_size, k,
+def search_range(queries, lo, hi, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, k,
                  visited, stamp, ids, scores):
     """Top-k for queries[lo:hi] into ids/scores rows [m, k] (pre-filled with -1 / -inf)."""
     for i in range(lo, hi):
         stamp += 1
-        walk(queries[i], entry, adj, deg, vectors, codes, factors, rotation, blocked,
+        walk(queries[i], entry, adj, deg, vectors, codes, factors, signs, blocked,
              max(beam_size, k), k, visited, stamp, ids[i], scores[i])
     return stamp

@@ -93,10 +93,10 @@ def test_rabitq_estimate_is_unbiased_and_informative():
     codes, factors = quant.encode(DATA)  # [N, W], [N]
     qbits = np.zeros((4, quant.words), np.uint64)
     errors, corr = [], []
-    bits = np.unpackbits(codes.view(np.uint8), axis=1, bitorder="little")[:, :DIM]  # [N, DIM]
+    bits = np.unpackbits(codes.view(np.uint8), axis=1, bitorder="little")  # [N, Dp]
     for q in QUERIES[:20]:
-        low, step, total = prepare_query(quant.rotation, q, qbits)
-        planes = np.unpackbits(qbits.view(np.uint8), axis=1, bitorder="little")[:, :DIM]  # [4, DIM]
+        low, step, total = prepare_query(quant.signs, q, qbits)
+        planes = np.unpackbits(qbits.view(np.uint8), axis=1, bitorder="little")  # [4, Dp]
         weighted = bits.astype(np.int64) @ (planes.T.astype(np.int64) @ (1 << np.arange(4)))  # [N]
         est = factors * (2 * (step * weighted + low * bits.sum(1)) - total) + quant.centroid @ q  # [N]
         exact = DATA @ q

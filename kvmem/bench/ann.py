@@ -1,0 +1,376 @@
+"""`kvmem bench ann`: the graph index beside faiss HNSW, faiss IVF-RaBitQ + refine, hnswlib and
+an exact scan, on one clustered data set, in one run.
+
+Per index: build time (2 threads), bytes per vector (the index's own structures, serialised
+size for the libraries, array bytes for ours; not RSS), recall@10 against exact search and
+QPS with 1 thread (one query per call) over a sweep of its search parameter, batched and
+one-at-a-time insert throughput, and recall after deleting 10% (plus consolidation for ours).
+faiss-cpu and hnswlib are optional (`pip install -e '.[bench]'`); a missing one is reported
+and skipped, the rest still run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+INSTALL_HINT = "pip install -e '.[bench]'   (faiss-cpu==1.15.1, hnswlib==0.8.0)"
+TARGET_RECALL = 0.95
+
+
+@dataclass(frozen=True)
+class AnnConfig:
+    n: int = 100_000
+    dim: int = 384
+    queries: int = 1_000
+    centres: int = 1_000
+    extra: int = 1_000  # inserted one at a time after the build
+    batch_tail: float = 0.1  # the build's last 10% goes in as one timed batch
+    delete_share: float = 0.1
+    threads: int = 2  # build threads; search is always 1 thread, one query per call
+    seed: int = 0
+    indexes: tuple[str, ...] = ("kvmem-graph", "faiss-hnsw", "faiss-ivf-rabitq", "hnswlib", "exact")
+
+
+@dataclass
+class AnnResult:
+    name: str
+    params: str
+    build_s: float = float("nan")
+    bytes_per_vector: float = float("nan")
+    sweep: list[dict] = field(default_factory=list)  # {param, recall, qps1}
+    insert_batch_vps: float = float("nan")
+    insert_one_vps: float = float("nan")
+    recall_after_delete: float | None = None
+    delete_note: str = ""
+
+    def qps_at(self, recall: float) -> tuple[float, object] | None:
+        """QPS (1 thread) at the smallest swept parameter reaching `recall`."""
+        ok = [s for s in self.sweep if s["recall"] >= recall]
+        return (ok[0]["qps1"], ok[0]["param"]) if ok else None
+
+
+def clustered(cfg: AnnConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Base [n, dim], extra [extra, dim] and queries [q, dim], unit float32.
+
+    Points sit around `centres` random unit directions; each offset is a random direction
+    scaled by U(0.25, 1.75): dense cores and looser edges, like real embedding clusters.
+    (Equal-size Gaussian blobs make every point of a cluster equidistant from every other,
+    which no real embedding set does.)
+    """
+    rng = np.random.default_rng(cfg.seed)
+    c = rng.standard_normal((cfg.centres, cfg.dim)).astype(np.float32)
+    c /= np.linalg.norm(c, axis=1, keepdims=True)
+    total = cfg.n + cfg.extra + cfg.queries
+    g = rng.standard_normal((total, cfg.dim)).astype(np.float32)
+    g /= np.linalg.norm(g, axis=1, keepdims=True)
+    x = c[rng.integers(0, cfg.centres, total)] + rng.uniform(0.25, 1.75, (total, 1)).astype(np.float32) * g
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x[: cfg.n], x[cfg.n: cfg.n + cfg.extra], x[cfg.n + cfg.extra:]
+
+
+def exact_top(base: np.ndarray, queries: np.ndarray, k: int, alive: np.ndarray | None = None) -> np.ndarray:
+    """Exact top-k ids [q, k] by inner product, in chunks to bound memory."""
+    out = np.empty((len(queries), k), np.int64)
+    for lo in range(0, len(queries), 256):
+        s = queries[lo: lo + 256] @ base.T  # [b, n]
+        if alive is not None:
+            s[:, ~alive] = -np.inf
+        part = np.argpartition(-s, k, axis=1)[:, :k]  # [b, k]
+        order = np.argsort(-np.take_along_axis(s, part, 1), axis=1)
+        out[lo: lo + 256] = np.take_along_axis(part, order, 1)
+    return out
+
+
+def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
+    """Mean |found ∩ truth| / k over queries; found [q, k] may hold -1 pads."""
+    return float(np.mean([len(set(f.tolist()) & set(t.tolist())) / truth.shape[1] for f, t in zip(found, truth)]))
+
+
+def sweep(search_one, set_param, params, queries: np.ndarray, truth: np.ndarray) -> list[dict]:
+    """Recall and single-thread QPS per parameter; stops once recall passes 0.995."""
+    rows = []
+    for p in params:
+        set_param(p)
+        search_one(queries[0])  # warm
+        t = time.perf_counter()
+        found = np.stack([search_one(q) for q in queries])  # [q, k]
+        dt = time.perf_counter() - t
+        rows.append({"param": p, "recall": recall_at(found, truth), "qps1": len(queries) / dt})
+        if rows[-1]["recall"] >= 0.995:
+            break
+    return rows
+
+
+def run(cfg: AnnConfig = AnnConfig(), log=print) -> dict:
+    base, extra, queries = clustered(cfg)
+    truth = exact_top(base, queries, 10)
+    results, missing = [], []
+    for name in cfg.indexes:
+        runner = RUNNERS[name]
+        try:
+            res = runner(cfg, base, extra, queries, truth, log)
+        except ImportError as e:
+            missing.append(f"{name}: {e} -> {INSTALL_HINT}")
+            log(f"skipped {name}: {e}; install with {INSTALL_HINT}")
+            continue
+        results.append(res)
+        log(summary_row(res))
+    return {"config": asdict(cfg), "machine": machine(), "results": [asdict(r) for r in results], "missing": missing}
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_at_end": os.getloadavg()[0]}
+
+
+def summary_row(r: AnnResult) -> str:
+    at = r.qps_at(TARGET_RECALL)
+    qps = f"{at[0]:.0f} ({at[1]})" if at else "-"
+    best = max((s["recall"] for s in r.sweep), default=float("nan"))
+    after = "-" if r.recall_after_delete is None else f"{r.recall_after_delete:.3f}"
+    return (f"| {r.name} {r.params} | {r.build_s:.1f} | {r.bytes_per_vector:.0f} | {qps} | {best:.3f} "
+            f"| {r.insert_batch_vps:.0f} | {r.insert_one_vps:.0f} | {after} {r.delete_note} |")
+
+
+TABLE_HEAD = ("| index | build s (2 thr) | bytes/vec | QPS1 @ recall 0.95 (param) | max recall | "
+              "insert batch v/s | insert 1-by-1 v/s | recall after 10% deletes |\n|---|---|---|---|---|---|---|---|")
+
+
+def report(result: dict, out: Path) -> str:
+    """Write ann.json and ann.png under `out`; return the markdown table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ann.json").write_text(json.dumps(result, indent=1))
+    rows = [AnnResult(**r) for r in result["results"]]
+    table = "\n".join([TABLE_HEAD] + [summary_row(r) for r in rows])
+    note = _plot(rows, out / "ann.png")
+    return table + ("\n\n" + note if note else "") + "".join(f"\n\nmissing: {m}" for m in result["missing"])
+
+
+def _plot(rows: list[AnnResult], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(matplotlib not installed: no plot)"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ax.plot([s["recall"] for s in r.sweep], [s["qps1"] for s in r.sweep], marker="o", label=r.name)
+    ax.set_xlabel("recall@10")
+    ax.set_ylabel("queries/s, 1 thread")
+    ax.set_yscale("log")
+    ax.axvline(TARGET_RECALL, color="grey", lw=0.8, ls="--")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return ""
+
+
+def temp_size(save) -> int:
+    """Bytes written by save(path) to a temporary file."""
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "index")
+        save(p)
+        return os.path.getsize(p)
+
+
+# -- the indexes ------------------------------------------------------------------------------
+# Each runner: build (head + timed tail batch), sweep, one-by-one inserts of `extra`, then
+# delete 10% of the base and measure recall at the parameter that first reached 0.95.
+
+
+def _pad(ids: np.ndarray, k: int = 10) -> np.ndarray:
+    out = np.full(k, -1, np.int64)
+    out[: len(ids)] = ids[:k]
+    return out
+
+
+def _delete_ids(cfg: AnnConfig) -> np.ndarray:
+    rng = np.random.default_rng(cfg.seed + 1)
+    return np.sort(rng.choice(cfg.n, int(cfg.n * cfg.delete_share), replace=False))
+
+
+def _after_delete_truth(cfg, base, extra, queries, gone) -> np.ndarray:
+    alive = np.ones(cfg.n + cfg.extra, bool)
+    alive[gone] = False
+    return exact_top(np.vstack([base, extra]), queries, 10, alive)
+
+
+def _param_at(res: AnnResult):
+    at = res.qps_at(TARGET_RECALL)
+    return at[1] if at else res.sweep[-1]["param"]
+
+
+def run_graph(cfg, base, extra, queries, truth, log) -> AnnResult:
+    from kvmem.index.vamana import GraphParams, VamanaGraph
+
+    params = GraphParams(threads=cfg.threads)
+    warm = VamanaGraph(cfg.dim, params)  # loads the cached numba kernels outside the timings
+    warm.add(base[:500])
+    warm.search(queries[0], 10)
+    res = AnnResult("kvmem-graph", f"(R{params.degree},L{params.build_beam},a{params.alpha},1-bit RaBitQ)")
+    g = VamanaGraph(cfg.dim, params)
+    head = int(cfg.n * (1 - cfg.batch_tail))
+    t0 = time.perf_counter()
+    g.add(base[:head])
+    t1 = time.perf_counter()
+    g.add(base[head:])
+    t2 = time.perf_counter()
+    res.build_s, res.insert_batch_vps = t2 - t0, (cfg.n - head) / (t2 - t1)
+    res.bytes_per_vector = sum(a.nbytes for a in g.state().values()) / cfg.n
+    beam = [10]
+    res.sweep = sweep(lambda q: _pad(g.search(q, 10, beam[0])[0]), lambda p: beam.__setitem__(0, p),
+                      (10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128), queries, truth)
+    t = time.perf_counter()
+    for v in extra:
+        g.add(v[None, :])
+    res.insert_one_vps = len(extra) / (time.perf_counter() - t)
+    gone = _delete_ids(cfg)
+    t = time.perf_counter()
+    g.delete(gone)
+    g.consolidate()
+    res.delete_note = f"(delete + consolidate {time.perf_counter() - t:.1f}s)"
+    after = _after_delete_truth(cfg, base, extra, queries, gone)
+    p = _param_at(res)
+    found = np.stack([_pad(g.search(q, 10, p)[0]) for q in queries])
+    res.recall_after_delete = recall_at(found, after)
+    return res
+
+
+def run_faiss_hnsw(cfg, base, extra, queries, truth, log) -> AnnResult:
+    import faiss
+
+    res = AnnResult("faiss-IndexHNSWFlat", "(M32,efC128)")
+    faiss.omp_set_num_threads(cfg.threads)
+    ix = faiss.IndexHNSWFlat(cfg.dim, 32, faiss.METRIC_INNER_PRODUCT)
+    ix.hnsw.efConstruction = 128
+    _timed_build(res, cfg, lambda x: ix.add(x), base)
+    res.bytes_per_vector = len(faiss.serialize_index(ix)) / cfg.n
+    faiss.omp_set_num_threads(1)
+    res.sweep = sweep(lambda q: ix.search(q[None, :], 10)[1][0], lambda p: setattr(ix.hnsw, "efSearch", p),
+                      (10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 256), queries, truth)
+    faiss.omp_set_num_threads(cfg.threads)
+    t = time.perf_counter()
+    for v in extra:
+        ix.add(v[None, :])
+    res.insert_one_vps = len(extra) / (time.perf_counter() - t)
+    res.delete_note = "(IndexHNSWFlat has no delete)"
+    return res
+
+
+def run_faiss_ivf_rabitq(cfg, base, extra, queries, truth, log) -> AnnResult:
+    import faiss
+
+    res = AnnResult("faiss-IndexIVFRaBitQ+RefineFlat", "(nlist512,1bit,k_factor10)")
+    faiss.omp_set_num_threads(cfg.threads)
+    coarse = faiss.IndexFlatIP(cfg.dim)
+    ivf = faiss.IndexIVFRaBitQ(coarse, cfg.dim, 512, faiss.METRIC_INNER_PRODUCT)
+    ix = faiss.IndexRefineFlat(ivf)
+    ix.k_factor = 10
+    t = time.perf_counter()
+    ix.train(base)
+    train_s = time.perf_counter() - t
+    _timed_build(res, cfg, lambda x: ix.add(x), base)
+    res.build_s += train_s
+    res.bytes_per_vector = len(faiss.serialize_index(ix)) / cfg.n
+    faiss.omp_set_num_threads(1)
+    res.sweep = sweep(lambda q: ix.search(q[None, :], 10)[1][0], lambda p: setattr(ivf, "nprobe", p),
+                      (4, 8, 12, 16, 24, 32, 48, 64, 128), queries, truth)
+    faiss.omp_set_num_threads(cfg.threads)
+    t = time.perf_counter()
+    for v in extra:
+        ix.add(v[None, :])
+    res.insert_one_vps = len(extra) / (time.perf_counter() - t)
+    gone = _delete_ids(cfg)
+    try:
+        t = time.perf_counter()
+        ix.remove_ids(gone.astype(np.int64))
+        res.delete_note = f"(remove_ids {time.perf_counter() - t:.1f}s)"
+    except RuntimeError as e:  # faiss raises RuntimeError for unsupported operations
+        res.delete_note = f"(no delete: {str(e).splitlines()[0][:60]})"
+        return res
+    # remove_ids renumbers the remaining vectors: map them back to original ids
+    keep = np.setdiff1d(np.arange(cfg.n + cfg.extra), gone)
+    after = _after_delete_truth(cfg, base, extra, queries, gone)
+    faiss.omp_set_num_threads(1)
+    ivf.nprobe = _param_at(res)
+    found = np.stack([np.where((r := ix.search(q[None, :], 10)[1][0]) >= 0, keep[r], -1) for q in queries])
+    res.recall_after_delete = recall_at(found, after)
+    return res
+
+
+def run_hnswlib(cfg, base, extra, queries, truth, log) -> AnnResult:
+    import hnswlib
+
+    res = AnnResult("hnswlib", "(M32,efC128)")
+    ix = hnswlib.Index("ip", cfg.dim)
+    ix.init_index(cfg.n + cfg.extra, M=32, ef_construction=128)
+    ix.set_num_threads(cfg.threads)
+    offset = [0]
+
+    def add(x):
+        ix.add_items(x, np.arange(offset[0], offset[0] + len(x)))
+        offset[0] += len(x)
+
+    _timed_build(res, cfg, add, base)
+    res.bytes_per_vector = temp_size(ix.save_index) / cfg.n
+    ix.set_num_threads(1)
+    res.sweep = sweep(lambda q: ix.knn_query(q[None, :], 10)[0][0], ix.set_ef,
+                      (10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 256), queries, truth)
+    t = time.perf_counter()
+    for v in extra:
+        add(v[None, :])
+    res.insert_one_vps = len(extra) / (time.perf_counter() - t)
+    gone = _delete_ids(cfg)
+    t = time.perf_counter()
+    for i in gone.tolist():
+        ix.mark_deleted(i)
+    res.delete_note = f"(mark_deleted {time.perf_counter() - t:.1f}s)"
+    ix.set_ef(_param_at(res))
+    after = _after_delete_truth(cfg, base, extra, queries, gone)
+    found = np.stack([ix.knn_query(q[None, :], 10)[0][0] for q in queries])
+    res.recall_after_delete = recall_at(found, after)
+    return res
+
+
+def run_exact(cfg, base, extra, queries, truth, log) -> AnnResult:
+    res = AnnResult("exact (numpy scan)", "(float32)")
+    t = time.perf_counter()
+    block = np.ascontiguousarray(base)
+    res.build_s = time.perf_counter() - t
+    res.bytes_per_vector = block.nbytes / cfg.n
+    res.sweep = sweep(lambda q: np.argpartition(-(block @ q), 10)[:10], lambda p: None, ("-",), queries, truth)
+    return res
+
+
+def _timed_build(res: AnnResult, cfg: AnnConfig, add, base: np.ndarray) -> None:
+    head = int(cfg.n * (1 - cfg.batch_tail))
+    t0 = time.perf_counter()
+    add(base[:head])
+    t1 = time.perf_counter()
+    add(base[head:])
+    t2 = time.perf_counter()
+    res.build_s, res.insert_batch_vps = t2 - t0, (cfg.n - head) / (t2 - t1)
+
+
+RUNNERS = {
+    "kvmem-graph": run_graph,
+    "faiss-hnsw": run_faiss_hnsw,
+    "faiss-ivf-rabitq": run_faiss_ivf_rabitq,
+    "hnswlib": run_hnswlib,
+    "exact": run_exact,
+}
