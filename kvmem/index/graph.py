@@ -164,6 +164,28 @@ class GraphIndex(VectorIndex):
             return _scan(scope, passed, q, k)  # the walk saw too few that pass: be exact
         return _hits(scope, slots, scores, k)
 
+    def similarities(self, scope_key: str, query: np.ndarray, ids: Sequence[str]) -> dict[str, float]:
+        """Cosine of `query` [dim] with each of `ids` in the scope (ids not there are left out)."""
+        check_scope(scope_key)
+        q = unit_query(query, self.dim)  # [dim]
+        with self._lock.read():
+            scope = self._scopes.get(scope_key)
+            if scope is None:
+                return {}
+            found = [i for i in ids if i in scope.rows]
+            slots = [scope.rows[i] for i in found]
+            return dict(zip(found, (scope.graph.vectors[slots] @ q).tolist()))  # [m, dim] @ [dim] -> [m]
+
+    def export(self, scope_key: str) -> tuple[list[str], np.ndarray, list[dict[str, Any]]]:
+        """The scope's live ids, unit vectors [n, dim] and metadata (to move it to another index)."""
+        with self._lock.read():
+            scope = self._scopes.get(scope_key)
+            if scope is None:
+                return [], np.empty((0, self.dim), np.float32), []
+            slots = scope.live_slots()
+            return ([scope.ids[s] for s in slots.tolist()], scope.graph.vectors[slots].copy(),
+                    [dict(scope.metas[s] or {}) for s in slots.tolist()])
+
     def count(self, scope_key: str) -> int:
         with self._lock.read():
             scope = self._scopes.get(scope_key)

@@ -19,22 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
+
+from kvmem.index.intrinsics import popcount
 
 QUERY_BITS = 4
-
-
-@intrinsic
-def popcount(typingctx, x):
-    """The CPU's popcnt on one 64-bit word (numba has no builtin for it)."""
-    if not isinstance(x, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.ctpop(args[0])
-
-    return x(x), codegen
 
 
 def padded_dim(dim: int) -> int:
@@ -84,8 +73,9 @@ def rotate(x, signs):
     for r in range(signs.shape[0]):
         for i in range(n):
             x[i] *= signs[r, i]
-        h = 1
-        while h < n:
+        _fwht8(x)
+        h = 8
+        while h < n:  # the wide stages: contiguous runs of h, which vectorise
             for i in range(0, n, 2 * h):
                 for j in range(i, i + h):
                     a = x[j]
@@ -95,6 +85,24 @@ def rotate(x, signs):
             h *= 2
         for i in range(n):
             x[i] *= scale
+
+
+@njit(cache=True, fastmath=True, nogil=True, inline="always")
+def _fwht8(x):
+    """The first three Hadamard stages (h = 1, 2, 4) on each block of 8, in registers."""
+    for i in range(0, x.shape[0], 8):
+        a0 = x[i] + x[i + 1]
+        a1 = x[i] - x[i + 1]
+        a2 = x[i + 2] + x[i + 3]
+        a3 = x[i + 2] - x[i + 3]
+        a4 = x[i + 4] + x[i + 5]
+        a5 = x[i + 4] - x[i + 5]
+        a6 = x[i + 6] + x[i + 7]
+        a7 = x[i + 6] - x[i + 7]
+        b0, b1, b2, b3 = a0 + a2, a1 + a3, a0 - a2, a1 - a3
+        b4, b5, b6, b7 = a4 + a6, a5 + a7, a4 - a6, a5 - a7
+        x[i], x[i + 1], x[i + 2], x[i + 3] = b0 + b4, b1 + b5, b2 + b6, b3 + b7
+        x[i + 4], x[i + 5], x[i + 6], x[i + 7] = b0 - b4, b1 - b5, b2 - b6, b3 - b7
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -128,16 +136,20 @@ def prepare_query(signs, q, qbits):
     step = (qr.max() - low) / np.float32(2**QUERY_BITS - 1)
     if step <= 0:
         step = np.float32(1.0)
-    qbits[:] = 0
-    total = np.float32(0.0)
-    for i in range(dp):
-        u = np.int64((qr[i] - low) / step + np.float32(0.5))
-        total += np.float32(u)
-        word, bit = i >> 6, np.uint64(i & 63)
-        for plane in range(QUERY_BITS):
-            if (u >> plane) & 1:
-                qbits[plane, word] |= np.uint64(1) << bit
-    return low, step, low * dp + step * total
+    inv = np.float32(1.0) / step
+    total = np.int64(0)
+    for w in range(dp // 64):  # branch-free: each plane word gathers its 64 bits in a register
+        p0 = p1 = p2 = p3 = np.uint64(0)
+        for b in range(64):
+            u = np.uint64(np.int64((qr[w * 64 + b] - low) * inv + np.float32(0.5)))
+            total += np.int64(u)
+            bit = np.uint64(b)
+            p0 |= (u & np.uint64(1)) << bit
+            p1 |= ((u >> np.uint64(1)) & np.uint64(1)) << bit
+            p2 |= ((u >> np.uint64(2)) & np.uint64(1)) << bit
+            p3 |= ((u >> np.uint64(3)) & np.uint64(1)) << bit
+        qbits[0, w], qbits[1, w], qbits[2, w], qbits[3, w] = p0, p1, p2, p3
+    return low, step, low * dp + step * np.float32(total)
 
 
 @njit(cache=True, fastmath=True, nogil=True, inline="always")

@@ -32,10 +32,11 @@ class GraphParams:
     """Build and search knobs. Defaults measured on clustered 100k x 384 (docs/benchmarks.md)."""
 
     degree: int = 32  # R, max out-degree
-    build_beam: int = 64  # L while inserting
+    build_beam: int = 48  # L while inserting
     alpha: float = 1.2  # RobustPrune's long-edge factor
     slack: float = 1.3  # rows hold up to slack * R edges before a re-prune (DiskANN's factor)
     search_beam: int = 32  # L while searching (raised to k when smaller)
+    rerank: int = 16  # unexpanded candidates scored exactly after the walk
     max_batch_share: float = 0.02  # a batch links at most this share of the graph at once
     max_batch: int = 10_000
     consolidate_share: float = 0.1  # consolidate when this share of slots is tombstoned
@@ -242,7 +243,7 @@ class VamanaGraph:
         visited, stamp = self._visited()
         return K.search_one(q, self.entry, self.adj, self.deg, self.vectors, self.codes, self.factors,
                             self.quantizer.signs, self.deleted if blocked is None else blocked,
-                            beam or self.params.search_beam, k, visited, stamp)
+                            beam or self.params.search_beam, self.params.rerank, k, visited, stamp)
 
     def search_many(self, queries: np.ndarray, k: int, beam: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-k for unit queries [m, dim] on all threads: slots [m, k] (-1 pads), scores [m, k].
@@ -260,7 +261,7 @@ class VamanaGraph:
 
         def walk(t: int, lo: int, hi: int) -> None:
             stamps[t] = K.search_range(queries, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.codes,
-                                       self.factors, self.quantizer.signs, self.deleted, beam, k,
+                                       self.factors, self.quantizer.signs, self.deleted, beam, self.params.rerank, k,
                                        visited[t], stamps[t], ids, scores)
 
         run_chunks(threads, m, walk)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvmem.index.intrinsics import prefetch
 from kvmem.index.rabitq import QUERY_BITS, estimate, prepare_query
 
 FASTMATH = True
@@ -48,18 +49,23 @@ def _insert_sorted(ids, scores, flags, size, cap, node, score):
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, keep,
+def walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, extra, keep,
          visited, stamp, out_ids, out_scores):
     """Greedy beam search from `entry` for unit q [dim]; returns how many results it wrote.
 
-    out_ids/out_scores [keep] receive the best expanded, unblocked nodes by exact <v, q>,
-    best first. `visited` [cap] holds the stamp of the walk that last saw each node.
+    The candidate list, ranked by RaBitQ estimate, holds beam_size + extra nodes; the walk
+    expands the best beam_size and scores each expanded node exactly. At the end the `extra`
+    best unexpanded candidates are scored exactly too (the re-rank: one vector read each,
+    where expanding them would cost a neighbour list of estimates). out_ids/out_scores [keep]
+    receive the best unblocked nodes by exact <v, q>, best first. `visited` [cap] holds the
+    stamp of the walk that last saw each node.
     """
     qbits = np.zeros((QUERY_BITS, codes.shape[1]), np.uint64)  # [4, W]
     low, step, total = prepare_query(signs, q, qbits)
-    b_ids = np.empty(beam_size, np.int32)
-    b_scores = np.empty(beam_size, np.float32)
-    b_done = np.zeros(beam_size, np.uint8)
+    cap = beam_size + extra
+    b_ids = np.empty(cap, np.int32)
+    b_scores = np.empty(cap, np.float32)
+    b_done = np.zeros(cap, np.uint8)
     dummy = np.zeros(keep, np.uint8)
     size = 1
     b_ids[0] = entry
@@ -67,24 +73,39 @@ def walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size,
     visited[entry] = stamp
     found = 0
     cur = 0
-    while cur < size:
+    todo = np.empty(adj.shape[1], np.int32)
+    while cur < size and cur < beam_size:
         node = b_ids[cur]
         b_done[cur] = 1
+        prefetch(vectors, node)
+        n_todo = 0
+        for e in range(deg[node]):  # first pass: start every load, so the misses overlap
+            nb = adj[node, e]
+            if visited[nb] != stamp:
+                visited[nb] = stamp
+                prefetch(codes, nb)
+                prefetch(factors, nb)
+                todo[n_todo] = nb
+                n_todo += 1
         if not blocked[node]:
             found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node, dot(vectors[node], q))
-        best = size  # lowest beam position a new neighbour takes: the walk resumes there
-        for e in range(deg[node]):
-            nb = adj[node, e]
-            if visited[nb] == stamp:
-                continue
-            visited[nb] = stamp
+        best = size  # lowest list position a new neighbour takes: the walk resumes there
+        for e in range(n_todo):
+            nb = todo[e]
             est = estimate(codes[nb], factors[nb], qbits, low, step, total)
-            size, pos = _insert_sorted(b_ids, b_scores, b_done, size, beam_size, nb, est)
+            size, pos = _insert_sorted(b_ids, b_scores, b_done, size, cap, nb, est)
             if pos < best:
                 best = pos
         cur = min(best, cur)  # a better neighbour took a place above: resume from it
         while cur < size and b_done[cur]:
             cur += 1
+    for i in range(size):
+        if not b_done[i]:
+            prefetch(vectors, b_ids[i])
+    for i in range(size):  # the re-rank of candidates the walk did not expand
+        node = b_ids[i]
+        if not b_done[i] and not blocked[node]:
+            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node, dot(vectors[node], q))
     return found
 
 
@@ -138,7 +159,7 @@ def _link_one(p, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_
     ids = np.empty(beam_size, np.int32)
     scores = np.empty(beam_size, np.float32)
     found = walk(vectors[p], entry, adj, deg, vectors, codes, factors, signs, blocked,
-                 beam_size, beam_size, visited, stamp, ids, scores)
+                 beam_size, 0, beam_size, visited, stamp, ids, scores)
     m = 0
     for i in range(found):
         if ids[i] != p:
@@ -272,21 +293,21 @@ def consolidate_range(lo, hi, adj, deg, vectors, deleted, alpha, degree):
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def search_one(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, k, visited, stamp):
+def search_one(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, extra, k, visited, stamp):
     """Top-k (ids [<=k], exact scores) for one unit query q [dim]."""
     ids = np.empty(k, np.int32)
     scores = np.empty(k, np.float32)
-    found = walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, max(beam_size, k), k,
+    found = walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, max(beam_size, k), extra, k,
                  visited, stamp, ids, scores)
     return ids[:found], scores[:found]
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def search_range(queries, lo, hi, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, k,
+def search_range(queries, lo, hi, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, extra, k,
                  visited, stamp, ids, scores):
     """Top-k for queries[lo:hi] into ids/scores rows [m, k] (pre-filled with -1 / -inf)."""
     for i in range(lo, hi):
         stamp += 1
         walk(queries[i], entry, adj, deg, vectors, codes, factors, signs, blocked,
-             max(beam_size, k), k, visited, stamp, ids[i], scores[i])
+             max(beam_size, k), extra, k, visited, stamp, ids[i], scores[i])
     return stamp

@@ -1,0 +1,53 @@
+"""TieredIndex: scopes move to the graph above promote_at and back below demote_at, unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmem.index import ExactIndex
+from kvmem.index.fusion import hybrid_search
+from kvmem.index.graph import GraphIndexConfig
+from kvmem.index.lexical import LexicalIndex
+from kvmem.index.tiered import TierConfig, TieredIndex
+
+DIM = 64
+CONFIG = TierConfig(promote_at=300, demote_at=150, graph=GraphIndexConfig(exact_below=0))
+
+
+def data(n: int, seed: int = 0) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_promotes_above_threshold_and_demotes_below():
+    t, e = TieredIndex(DIM, CONFIG), ExactIndex(DIM)
+    x = data(400)
+    ids = [f"f{i}" for i in range(400)]
+    metas = [{"g": i % 3} for i in range(400)]
+    for lo in range(0, 400, 50):
+        t.add("big", ids[lo: lo + 50], x[lo: lo + 50], metas[lo: lo + 50])
+        e.add("big", ids[lo: lo + 50], x[lo: lo + 50], metas[lo: lo + 50])
+        assert (t.tier("big") is t.graph) == (lo + 50 >= 300)
+    t.add("small", ids[:10], x[:10])
+    assert t.tier("small") is t.exact and len(t) == 410
+    q = data(1, seed=5)[0]
+    assert [h.id for h in t.search("big", q, 1)] == [h.id for h in e.search("big", q, 1)]
+    assert {h.id for h in t.search("big", q, 5, {"g": 1})} <= {f"f{i}" for i in range(1, 400, 3)}
+    for i in range(260):
+        assert t.remove("big", ids[i])
+        e.remove("big", ids[i])
+    assert t.tier("big") is t.exact and t.count("big") == 140
+    assert t.graph.count("big") == 0  # nothing left behind in the graph tier
+    assert [h.id for h in t.search("big", q, 10)] == [h.id for h in e.search("big", q, 10)]
+
+
+def test_hybrid_search_works_on_a_promoted_scope():
+    t = TieredIndex(DIM, CONFIG)
+    lex = LexicalIndex()
+    x = data(350, seed=1)
+    ids = [f"f{i}" for i in range(350)]
+    t.add("u", ids, x)
+    assert t.tier("u") is t.graph
+    lex.add("u", ids, ["penicillin allergy" if i == 7 else f"note number {i}" for i in range(350)])
+    hits = hybrid_search(t, lex, "u", x[3], "penicillin", 5)
+    assert {"f3", "f7"} <= {h.id for h in hits}  # best dense and best lexical both kept
