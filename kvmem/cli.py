@@ -52,8 +52,7 @@ def cmd_demo(args: argparse.Namespace, config: Config) -> int:
         mem.delete_all(user_id=DEMO_USER)  # reruns start from the same empty memory
         added = mem.add(DEMO_CONVERSATION, user_id=DEMO_USER, window=2)
         report = added.encode
-        per_token = mem.model.kv_bytes_per_token(_itemsize(config.kv.key_dtype),
-                                                 _itemsize(config.kv.value_dtype or mem.model.dtype))
+        per_token = mem.model.kv_bytes_per_token(config.kv.codec)
         print(f"\nmodel {mem.model.path.name} ({mem.model.num_layers} layers, {mem.model.num_kv_heads} KV heads x "
               f"{mem.model.head_size}); KV {per_token:,} bytes/token; encoded {report.encoded} facts "
               f"({len(DEMO_CONVERSATION)} turns, window 2) in {report.seconds:.2f} s")
@@ -71,12 +70,6 @@ def cmd_demo(args: argparse.Namespace, config: Config) -> int:
             print(f"        TTFT text/kv = {text.ttft_s / kv.ttft_s:.1f}x; {kv.injected_tokens} tokens injected, "
                   f"{kv.fallbacks} fallbacks (text mode: {text.prompt_tokens} prompt tokens{cached})")
     return 0
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 def _one_line(text: str) -> str:

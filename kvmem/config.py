@@ -45,15 +45,19 @@ class EngineConfig:
 class KVConfig:
     """How fact KV is stored.
 
-    key_dtype: dtype of stored pre-RoPE keys. float32 keeps un-rotate/re-rotate exact up to the
-      cache dtype's rounding; bfloat16 halves K's size at a small fidelity cost.
-    value_dtype: None keeps the cache dtype (values are copied, never transformed).
+    codec: how blobs hold K and V (kv/codec.py): "none" keeps the cache's dtype bit for bit (a
+      fact served where it was encoded is exact); "fp8" and "int8" are ~1.9x smaller, "int4"
+      ~3.6x, each decoded at injection (fidelity per codec: docs/benchmarks.md).
     hot_cache_mib: in-memory cache of decoded blobs, per process.
     """
 
-    key_dtype: str = "float32"
-    value_dtype: str | None = None
+    codec: str = "none"
     hot_cache_mib: int = 512
+
+    def __post_init__(self) -> None:
+        from kvmem.kv.codec import check_codec
+
+        check_codec(self.codec)
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,8 @@ class Config:
             load_format=os.environ.get("KVMEM_LOAD_FORMAT", EngineConfig.load_format),
             enforce_eager=_tristate(os.environ.get("KVMEM_ENFORCE_EAGER", "")),
         )
-        return replace(cls(engine=engine), **overrides)
+        kv = KVConfig(codec=os.environ.get("KVMEM_KV_CODEC", KVConfig.codec))
+        return replace(cls(engine=engine, kv=kv), **overrides)
 
 
 def _tristate(value: str) -> bool | None:

@@ -60,7 +60,7 @@ class Encoder:
             prompt = self.prompts.head_encoding()
             self.engine.run([EngineRequest(prompt.token_ids, salt("encode", ""), 1, Plan(ENCODE, prompt.segments))])
 
-    def encode(self, records, *, keep_rotated: bool = False, progress: bool | None = None) -> EncodeReport:
+    def encode(self, records, *, progress: bool | None = None) -> EncodeReport:
         """Encode now; each fact ends 'encoded' or 'failed' (then retried in the background)."""
         start = time.perf_counter()
         self.ensure_head()
@@ -69,17 +69,17 @@ class Encoder:
         with tqdm(total=len(records), desc="encoding facts", unit="fact", disable=not show) as bar:
             for i in range(0, len(records), self.batch):
                 chunk = records[i : i + self.batch]
-                self._run(chunk, keep_rotated)
+                self._run(chunk)
                 bar.update(len(chunk))
         failed = tuple(r.id for r in records if not self._settle(r))
         return EncodeReport(len(records) - len(failed), failed, time.perf_counter() - start)
 
-    def _run(self, records, keep_rotated: bool) -> None:
+    def _run(self, records) -> None:
         requests = []
         for r in records:
             prompt = self.prompts.encoding(r.id, self.prompts.fact_tokens(r.text), self.prompts.context_tokens(r.context))
             requests.append(EngineRequest(prompt.token_ids, salt("encode", r.scope.user_id), 1,
-                                          Plan(ENCODE, prompt.segments, keep_rotated)))
+                                          Plan(ENCODE, prompt.segments)))
         try:
             self.engine.run(requests)
         except Exception:  # noqa: BLE001 - the facts stay pending/failed and are retried

@@ -29,9 +29,10 @@ from kvmem.facts.messages import check_messages, turn_facts
 from kvmem.facts.scope import Scope
 from kvmem.facts.store import MAX_LIMIT, FactRecord, FactStore, HistoryEvent
 from kvmem.facts.text import check_fact_text, check_nested, check_unicode
-from kvmem.index import ExactIndex, Hit, validate_filters
+from kvmem.index import Hit, validate_filters
 from kvmem.index import fusion
 from kvmem.index.lexical import LexicalIndex
+from kvmem.index.tiered import TieredIndex
 from kvmem.kv.store import KVStore
 from kvmem.model import resolve_model
 from kvmem.results import AddResult, ChatResult, SearchHit
@@ -55,7 +56,7 @@ class KVMem:
         self.kv = KVStore(self.config.kv_dir, self.model.fingerprint, self.config.kv.hot_cache_mib << 20)
         self.facts = FactStore(self.config.home / "facts.sqlite")
         self.embedder = embedder or default_embedder()
-        self.index = ExactIndex(self.embedder.dim)
+        self.index = TieredIndex(self.embedder.dim)  # exact scan; graph for scopes past 20k facts
         self.lexical = LexicalIndex()
         self._write_lock = threading.RLock()  # keeps store, index and blobs in step
         self.stats: Counter[str] = Counter()  # chats per mode, fallbacks
@@ -207,7 +208,7 @@ class KVMem:
             for record in self._all_records():
                 self.kv.delete(record.id)
             self.facts.reset()
-            self.index = ExactIndex(self.embedder.dim)
+            self.index = TieredIndex(self.embedder.dim)  # exact scan; graph for scopes past 20k facts
             self.lexical = LexicalIndex()
 
     # -- read path ------------------------------------------------------------------------------

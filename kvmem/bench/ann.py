@@ -289,7 +289,7 @@ def run_faiss_ivf_rabitq(cfg, base, extra, queries, truth, log) -> AnnResult:
     res.bytes_per_vector = len(faiss.serialize_index(ix)) / cfg.n
     faiss.omp_set_num_threads(1)
     res.sweep = sweep(lambda q: ix.search(q[None, :], 10)[1][0], lambda p: setattr(ivf, "nprobe", p),
-                      (4, 8, 12, 16, 24, 32, 48, 64, 128), queries, truth)
+                      (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128), queries, truth)
     faiss.omp_set_num_threads(cfg.threads)
     t = time.perf_counter()
     for v in extra:

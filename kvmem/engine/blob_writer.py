@@ -2,8 +2,8 @@
 
 The worker side enqueues the copy of an encode's K/V out of the paged cache and hands the host
 tensors here with the event that marks the copy done. This thread waits for that event, cuts
-the batch into one blob per fact, checksums it and writes it atomically (with fsync), so none of
-that runs inside an engine step. Callers learn a blob is there by finding it in the KV store
+the batch into one blob per fact, codes it (kv/codec.py), checksums it and writes it atomically
+(with fsync), so none of that runs inside an engine step. Callers learn a blob is there by finding it in the KV store
 (`KVStore.wait_for`), since they live in another process.
 """
 
@@ -19,6 +19,7 @@ import torch
 from kvmem.engine.plan import SaveJob
 from kvmem.engine.staging import synchronize
 from kvmem.kv.blob import KVBlob
+from kvmem.kv.codec import encode
 from kvmem.kv.store import KVStore
 
 log = logging.getLogger("kvmem.connector")
@@ -29,15 +30,15 @@ class SaveBatch:
     """One step's encodes: host tensors [L, N, H, D] holding the spans of `jobs` one after another."""
 
     jobs: list[SaveJob]
-    key: torch.Tensor  # pre-RoPE, in the stored key dtype
+    key: torch.Tensor  # as the engine cached them: rotated, in the cache dtype
     value: torch.Tensor
-    rotated: torch.Tensor | None  # keys as the engine cached them, when a job keeps them
     copied: "torch.cuda.Event | None"  # the device-to-host copy is done once this has passed
 
 
 class BlobWriter:
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, codec: str = "none") -> None:
         self.store = store
+        self.codec = codec
         self._queue: queue.Queue[SaveBatch | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvmem-blob-writer", daemon=True)
         self._thread.start()
@@ -71,9 +72,9 @@ class BlobWriter:
         for job in batch.jobs:
             for span, token_ids in zip(job.spans, job.token_ids):
                 end = start + span.length
-                extras = {"key_rotated": batch.rotated[:, start:end]} if job.keep_rotated else {}
-                blob = KVBlob(span.fact_id, self.store.fingerprint, token_ids, batch.key[:, start:end],
-                              batch.value[:, start:end], extras)
+                blob = KVBlob(span.fact_id, self.store.fingerprint, token_ids,
+                              encode(batch.key[:, start:end], self.codec),
+                              encode(batch.value[:, start:end], self.codec), key_position=span.start)
                 try:
                     self.store.put(blob)
                 except OSError as e:

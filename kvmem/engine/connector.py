@@ -7,8 +7,7 @@ scheduler_side.py and worker_side.py; this class only adapts vLLM's hook names t
 refuses at construction what kvmem cannot serve (support.py).
 
 Everything a worker needs travels in the per-step metadata (plan.ConnectorMeta); configuration
-comes from `kv_connector_extra_config`: kv_dir, fingerprint, key_dtype, value_dtype,
-hot_cache_mib, and is_neox_style (only used when the model's own rotary embedding is not found).
+comes from `kv_connector_extra_config`: kv_dir, fingerprint, codec, hot_cache_mib, and is_neox_style (only used when the model's own rotary embedding is not found).
 """
 
 from __future__ import annotations
@@ -135,7 +134,6 @@ class KvmemConnector(KVConnectorBase_V1):
 def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int, extra: dict) -> WorkerSide:
     model_config = vllm_config.model_config
     head_size = model_config.get_head_size()
-    value_dtype = extra.get("value_dtype")
     return WorkerSide(
         store=store,
         rotator=_layer_rotators(vllm_config, head_size, extra),
@@ -143,8 +141,7 @@ def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,
         num_blocks=kv_cache_config.num_blocks,
         num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
         head_size=head_size,
-        key_dtype=getattr(torch, extra.get("key_dtype", "float32")),
-        value_dtype=getattr(torch, value_dtype) if value_dtype else None,
+        codec=extra.get("codec", "none"),
         layers=vllm_config.compilation_config.static_forward_context,
     )
 

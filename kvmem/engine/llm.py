@@ -279,8 +279,7 @@ def _start_llm(model: ModelInfo, config: Config):
         kv_connector_extra_config={
             "kv_dir": str(config.kv_dir),
             "fingerprint": model.fingerprint,
-            "key_dtype": config.kv.key_dtype,
-            "value_dtype": config.kv.value_dtype,
+            "codec": config.kv.codec,
             "hot_cache_mib": config.kv.hot_cache_mib,
         },
     )

@@ -33,13 +33,9 @@ class Segment:
 class Plan:
     op: str
     segments: tuple[Segment, ...]
-    keep_rotated: bool = False  # encode only: also store the keys as the engine cached them
 
     def to_params(self) -> dict[str, Any]:
-        body = {"op": self.op, "segments": [[s.fact_id, s.start, s.length] for s in self.segments]}
-        if self.keep_rotated:
-            body["keep_rotated"] = True
-        return {KEY: body}
+        return {KEY: {"op": self.op, "segments": [[s.fact_id, s.start, s.length] for s in self.segments]}}
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> "Plan | None":
@@ -53,7 +49,7 @@ class Plan:
         segments = tuple(Segment(str(f), int(s), int(n)) for f, s, n in body.get("segments", []))
         if any(s.start < 0 or s.length <= 0 for s in segments):
             raise ValueError("segments need start >= 0 and length > 0")
-        return cls(op, tuple(sorted(segments, key=lambda s: s.start)), bool(body.get("keep_rotated")))
+        return cls(op, tuple(sorted(segments, key=lambda s: s.start)))
 
 
 # -- scheduler -> worker, once per engine step (pickled across processes) -----------------------
@@ -87,7 +83,6 @@ class SaveJob:
     block_ids: tuple[int, ...]
     spans: tuple[Span, ...]  # src 0: a blob holds the whole span
     token_ids: tuple[tuple[int, ...], ...]  # per span: the tokens its blob is for
-    keep_rotated: bool = False
 
 
 @dataclass

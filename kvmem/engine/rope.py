@@ -6,6 +6,12 @@ rotary kernel (or its `forward_static` reference where the kernel is missing; bo
 rotary and neox/gpt-j styles); un-rotation uses the exact inverse of the same table: for each
 2x2 block [c -s; s c] the inverse is [c s; -s c] / (c^2 + s^2), which stays correct when the
 table carries a scale (YaRN's mscale).
+
+Moving a cached key from position p to q (`move`) is R(q) R(p)^-1. Each 2x2 block [c -s; s c]
+acts as the complex number c + is, so the product is one complex multiply per block: we build
+that one row per token (cheap: T x rot_dim / 2) and run the kernel once, over every layer. This
+uses the engine's own rows at p and q (bf16 tables included, scaled ones too), so a moved key is
+what un-rotating and re-rotating would give, at the cost of one rotation.
 """
 
 from __future__ import annotations
@@ -44,15 +50,16 @@ class KeyRotator:
         """key [L, T, H, D] as cached at positions [T] -> float32 [L, T, H, D] pre-RoPE."""
         return self._apply(key, positions, inverse=True, inplace=False)
 
-    def _apply(self, key: torch.Tensor, positions: torch.Tensor, inverse: bool, inplace: bool) -> torch.Tensor:
+    def _apply(self, key: torch.Tensor, positions: torch.Tensor, inverse: bool = False, inplace: bool = False,
+               table: torch.Tensor | None = None) -> torch.Tensor:
         layers, tokens, heads, dim = key.shape
         if dim != self.head_size:
             raise ValueError(f"head size {dim}, rotary embedding expects {self.head_size}")
-        if positions.device.type == "cpu":  # on a GPU this would sync; callers check host positions first
+        if positions.device.type == "cpu" and table is None:  # on a GPU this would sync; callers check first
             self.check_positions(positions)
         if inplace and (key.dtype != torch.float32 or not key.is_contiguous()):
             raise ValueError("in-place rotation needs a contiguous float32 key")
-        table = self._table(inverse, key.device)
+        table = self._table(inverse, key.device) if table is None else table
         positions = positions.to(key.device, torch.long)
         if self._kernel is None:
             rotated = self._static(key, positions, table)
@@ -63,6 +70,19 @@ class KeyRotator:
         self._kernel(flat_positions, out.view(layers * tokens, heads * dim), None, self.head_size, table,
                      self.is_neox_style)
         return out
+
+    def move(self, key: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """key [L, T, H, D] contiguous float32, rotated to positions src [T] (-1: not rotated,
+        a pre-RoPE key) -> rotated to positions dst [T], in place. Host or device positions."""
+        src = src.to(key.device, torch.long)
+        dst = dst.to(key.device, torch.long)
+        fwd_cos, fwd_sin = self._table(False, key.device)[dst].chunk(2, dim=-1)  # [T, rot/2] each
+        inv_cos, inv_sin = self._table(True, key.device)[src.clamp_min(0)].chunk(2, dim=-1)
+        unrotated = (src < 0)[:, None]
+        inv_cos = inv_cos.masked_fill(unrotated, 1.0)  # a pre-RoPE key: R(p)^-1 is the identity
+        inv_sin = inv_sin.masked_fill(unrotated, 0.0)
+        rows = torch.cat((fwd_cos * inv_cos - fwd_sin * inv_sin, fwd_cos * inv_sin + fwd_sin * inv_cos), dim=-1)
+        return self._apply(key, torch.arange(len(rows), device=key.device), table=rows, inplace=True)
 
     def check_positions(self, positions: torch.Tensor) -> None:
         """positions [T] on the host: ValueError if any lies beyond the rotary table."""
@@ -137,6 +157,11 @@ class LayerRotators:
     def rotate_layer(self, layer: int, key: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """key [1, T, H, D] contiguous float32 of one layer, rotated in place."""
         return self.per_layer[layer].rotate(key, positions, inplace=True)
+
+    def move_layer(self, layer: int, key: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """key [1, T, H, D] contiguous float32 of one layer, cached at src [T] (-1: pre-RoPE),
+        moved to dst [T] in place."""
+        return self.per_layer[layer].move(key, src, dst)
 
     def check_positions(self, positions: torch.Tensor) -> None:
         for rot, _ in self._groups:

@@ -193,7 +193,7 @@ def _save_job(req_id: str, tracker: _SaveTracker, block_size: int) -> SaveJob:
     last = max(s.end for s in segments)
     return SaveJob(req_id, tuple(tracker.block_ids[: -(-last // block_size)]),
                    tuple(Span(s.fact_id, s.start, s.length) for s in segments),
-                   tuple(tuple(tracker.prompt[s.start : s.end]) for s in segments), tracker.plan.keep_rotated)
+                   tuple(tuple(tracker.prompt[s.start : s.end]) for s in segments))
 
 
 def _params_of(sampling_params) -> dict[str, Any] | None:

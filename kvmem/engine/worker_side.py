@@ -3,16 +3,17 @@
 Runs in vLLM's worker process. Every tensor op runs on the paged cache's device; the host only
 fills a staging buffer (loads) or receives a finished copy (saves).
 
-Injection, per step: blob tokens are gathered into one reusable (pinned) host staging buffer;
-then, on a side stream and per layer, keys and values are copied to the device, keys are upcast
-and rotated to their serving positions with the engine's rotary kernel, both are written with the
-attention backend's own cache-update op, and an event is recorded. `wait_layer` makes the
-engine's stream wait for that layer's event only, so layer i's copy overlaps layer i-1's compute.
+Injection, per step: blob tokens are gathered, in their stored (coded) form, into one reusable
+(pinned) host staging buffer; then, on a side stream and per layer, they are copied to the
+device and decoded, the keys of tokens served away from where they were encoded are moved there
+with the engine's rotary kernel (tokens that stay put are written untouched), both are written
+with the attention backend's own cache-update op, and an event is recorded. `wait_layer` makes
+the engine's stream wait for that layer's event only, so layer i's copy overlaps layer i-1's compute.
 
 Encoding, per step: after the forward, on the side stream, the encoded tokens are gathered from
-the paged cache, keys are un-rotated on the device, and both are copied into host memory; a
-background thread (blob_writer.py) writes the blobs. The request's blocks stay allocated until
-the copy is done (reported through `finished`).
+the paged cache as it holds them and copied into host memory; a background thread
+(blob_writer.py) codes and writes the blobs. The request's blocks stay allocated until the copy
+is done (reported through `finished`).
 
 On vLLM's CPU backend the same code runs synchronously (no streams, no events).
 """
@@ -31,6 +32,8 @@ from kvmem.engine.plan import ConnectorMeta, LoadJob, SaveJob
 from kvmem.engine.rope import KeyRotator, LayerRotators
 from kvmem.engine.staging import HostStaging, SideStream, synchronize
 from kvmem.errors import BlobError
+from kvmem.kv.blob import KVBlob
+from kvmem.kv.codec import Coded, check_codec, decode_parts
 from kvmem.kv.store import KVStore
 
 log = logging.getLogger("kvmem.connector")
@@ -38,8 +41,7 @@ log = logging.getLogger("kvmem.connector")
 
 class WorkerSide:
     def __init__(self, store: KVStore, rotator: KeyRotator | Mapping[str, KeyRotator], block_size: int, num_blocks: int,
-                 num_kv_heads: int, head_size: int, key_dtype: torch.dtype, value_dtype: torch.dtype | None,
-                 layers: dict) -> None:
+                 num_kv_heads: int, head_size: int, layers: dict, codec: str = "none") -> None:
         self.store = store
         self._rotator_of = rotator  # one for every layer, or per layer name
         self.rotator: LayerRotators | None = None  # per layer in cache order, once caches are registered
@@ -47,8 +49,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
-        self.key_dtype = key_dtype
-        self.value_dtype = value_dtype
+        self.codec = check_codec(codec)  # how new blobs are written; any codec is read
         self._layers = layers  # layer name -> attention layer (static forward context)
         self._caches: list[tuple[str, torch.Tensor]] = []
         self._layout: PageLayout | None = None
@@ -56,7 +57,7 @@ class WorkerSide:
         self._staging: HostStaging | None = None
         self._layer_events: dict[str, object] = {}  # this step's injection, per layer
         self._copies: dict[str, object] = {}  # req id -> event: its encode's copy out of the cache is done
-        self._writer = BlobWriter(store)
+        self._writer = BlobWriter(store, self.codec)
         self.failed_block_ids: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -111,40 +112,65 @@ class WorkerSide:
             self.failed_block_ids.update(_blocks_of(meta.loads, self.block_size))
 
     def _load(self, jobs: list[LoadJob]) -> None:
-        positions, slots, key, value = self._stage(jobs)  # host: [N], [N], [L, N, H, D] x 2
+        staged = self._stage(jobs)
         dev = self.device
         with self._stream:
-            positions = positions.to(dev, non_blocking=True)
-            slots = slots.to(dev, non_blocking=True)
+            slots = staged.slots.to(dev, non_blocking=True)
+            moves = staged.moves_to(dev)
             for i, (name, cache) in enumerate(self._caches):
-                k = key[i].to(dev, torch.float32, non_blocking=True)  # [N, H, D]; may alias staging on CPU
-                self.rotator.rotate_layer(i, k[None], positions)
-                v = value[i].to(dev, non_blocking=True)
+                key = self._layer_keys(i, staged, moves, cache.dtype)  # [N, H, D]
+                value = _decode_layer(staged.codec, staged.value, i, dev, cache.dtype)
                 layer = self._layers[name]
-                layer.impl.do_kv_cache_update(layer, k.to(cache.dtype), v.to(cache.dtype), cache, slots)
+                layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
                 self._layer_events[name] = self._stream.record()
         self._staging.release(self._stream.record())
 
-    def _stage(self, jobs: list[LoadJob]) -> tuple[torch.Tensor, ...]:
-        """Blob tokens of all spans, one after another, in the host staging buffer."""
+    def _layer_keys(self, i: int, staged: "_Staged", moves, dtype: torch.dtype) -> torch.Tensor:
+        """Layer i's keys [N, H, D] on the device, decoded and moved to their serving positions."""
+        key = _decode_layer(staged.codec, staged.key, i, self.device, None)
+        if moves is None:  # every token is served where it was encoded: bit for bit
+            return key.to(dtype)
+        index, src, dst = moves
+        moving = (key if index is None else key[index]).to(torch.float32)  # [M, H, D], a copy unless fp32
+        if moving.data_ptr() == key.data_ptr():
+            moving = moving.clone()  # never rotate the staging buffer in place: it may be pinned and busy
+        self.rotator.move_layer(i, moving[None], src, dst)
+        if index is None:
+            return moving.to(dtype)
+        key = key.to(dtype, copy=True)
+        key[index] = moving.to(dtype)
+        return key
+
+    def _stage(self, jobs: list[LoadJob]) -> "_Staged":
+        """Blob tokens of all spans, one after another, in the host staging buffer, as stored."""
         positions, slots = _token_map(jobs, self.block_size)
         self.rotator.check_positions(positions)
         spans = [s for job in jobs for s in job.spans]
         blobs = [self.store.get(s.fact_id) for s in spans]
-        layers, _, heads, dim = blobs[0].key.shape
+        codec = blobs[0].codec if len({b.codec for b in blobs}) == 1 else None
+        if codec is None:  # a codec change left blobs of two codecs: decode on the host (rare)
+            blobs = [_decoded(b) for b in blobs]
+            codec = "none"
         n = len(positions)
-        pos_buf, slot_buf, key, value = self._staging.take([
-            ((n,), torch.long), ((n,), torch.long),
-            ((layers, n, heads, dim), blobs[0].key.dtype), ((layers, n, heads, dim), blobs[0].value.dtype)])
-        pos_buf.copy_(positions)
+        wanted = [((n,), torch.long)] + [(_stacked_shape(t, n), _common_dtype(blobs, role, name))
+                                         for role in ("keys", "values")
+                                         for name, t in getattr(blobs[0], role).parts.items()]
+        buffers = self._staging.take(wanted)
+        slot_buf, parts = buffers[0], buffers[1:]
         slot_buf.copy_(slots)
+        names = [(role, name) for role in ("keys", "values") for name in getattr(blobs[0], role).parts]
         start = 0
+        src = torch.empty(n, dtype=torch.long)  # where each token's key was rotated to when encoded
         for span, blob in zip(spans, blobs):
             end = start + span.length
-            key[:, start:end] = blob.key[:, span.src : span.src + span.length]
-            value[:, start:end] = blob.value[:, span.src : span.src + span.length]
+            for (role, name), buf in zip(names, parts):
+                buf[:, start:end] = getattr(blob, role).parts[name][:, span.src : span.src + span.length]
+            first = -1 if blob.key_position is None else blob.key_position + span.src
+            src[start:end] = torch.arange(first, first + span.length) if first >= 0 else -1
             start = end
-        return pos_buf, slot_buf, key, value
+        staged = dict(zip(names, parts))
+        return _Staged(codec, slot_buf, {k: v for (r, k), v in staged.items() if r == "keys"},
+                       {k: v for (r, k), v in staged.items() if r == "values"}, src, positions)
 
     def wait_layer(self, layer_name: str) -> None:
         """Called before a layer's attention: its injected K/V must be in the cache by then."""
@@ -166,20 +192,15 @@ class WorkerSide:
             self._copies[job.req_id] = copied
 
     def _save(self, jobs: list[SaveJob]):
-        positions, slots = _token_map(jobs, self.block_size)
-        self.rotator.check_positions(positions)
-        keep = any(job.keep_rotated for job in jobs)
+        _, slots = _token_map(jobs, self.block_size)
         dev = self.device
         self._page_layout()  # calibrated once, on the engine's stream, before the first copy
         with self._stream:
-            positions = positions.to(dev, non_blocking=True)
             slots = slots.to(dev, non_blocking=True)
-            cached_k, value = self._gather_on_device(slots)  # [L, N, H, D] each, keys rotated, cache dtype
-            key = self.rotator.unrotate(cached_k, positions).to(self.key_dtype)  # pre-RoPE
-            value = value.to(self.value_dtype or value.dtype)
-            host = [_to_host(t, self._stream.is_async) for t in (key, value, *([cached_k] if keep else []))]
+            key, value = self._gather_on_device(slots)  # [L, N, H, D] each, as cached (keys rotated)
+            host = [_to_host(t, self._stream.is_async) for t in (key, value)]
             copied = self._stream.record()
-        self._writer.submit(SaveBatch(jobs, host[0], host[1], host[2] if keep else None, copied))
+        self._writer.submit(SaveBatch(jobs, host[0], host[1], copied))
         return copied
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
@@ -223,6 +244,60 @@ class WorkerSide:
             self._layout = PageLayout.calibrate(cache, self.num_blocks, self.block_size,
                                                 self.num_kv_heads, self.head_size, write)
         return self._layout
+
+
+class _Staged:
+    """One step's injection in the host staging buffer: coded parts [L, N, ...] per role."""
+
+    def __init__(self, codec: str, slots: torch.Tensor, key: dict, value: dict, src: torch.Tensor,
+                 dst: torch.Tensor) -> None:
+        self.codec = codec
+        self.slots = slots  # [N] cache slots
+        self.key = key  # part name -> [L, N, ...]
+        self.value = value
+        self.src = src  # [N] position each key was cached at when encoded (-1: stored pre-RoPE)
+        self.dst = dst  # [N] serving position
+
+    def moves_to(self, device: torch.device):
+        """None when no key moves; else (index of moving tokens or None for all [M], src [M], dst [M])."""
+        moving = self.src != self.dst
+        if not bool(moving.any()):
+            return None
+        if bool(moving.all()):
+            return None, self.src.to(device, non_blocking=True), self.dst.to(device, non_blocking=True)
+        index = moving.nonzero().squeeze(1)
+        return (index.to(device, non_blocking=True), self.src[index].to(device, non_blocking=True),
+                self.dst[index].to(device, non_blocking=True))
+
+
+def _decode_layer(codec: str, parts: dict[str, torch.Tensor], layer: int, device: torch.device,
+                  dtype: torch.dtype | None) -> torch.Tensor:
+    """Layer `layer` of staged parts [L, N, ...] -> decoded [N, H, D] on `device`."""
+    on_device = {name: t[layer].to(device, non_blocking=True) for name, t in parts.items()}
+    return decode_parts(codec, on_device, dtype)
+
+
+def _stacked_shape(part: torch.Tensor, n: int) -> tuple[int, ...]:
+    """A part [L, T, ...] of one blob -> the staging shape [L, n, ...] for n tokens."""
+    return (part.shape[0], n, *part.shape[2:])
+
+
+def _common_dtype(blobs: list[KVBlob], role: str, name: str) -> torch.dtype:
+    """One staging dtype for a part across blobs (format-1 float32 keys beside cache-dtype ones)."""
+    dtype = getattr(blobs[0], role).parts[name].dtype
+    for blob in blobs[1:]:
+        other = getattr(blob, role).parts[name].dtype
+        if other != dtype:
+            dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
+def _decoded(blob: KVBlob) -> KVBlob:
+    """The same blob with codec none (float32, the common ground of every codec)."""
+    if blob.codec == "none":
+        return blob
+    return KVBlob(blob.fact_id, blob.fingerprint, blob.token_ids, Coded("none", {"data": blob.keys.decode()}),
+                  Coded("none", {"data": blob.values.decode()}), blob.key_position)
 
 
 def _token_map(jobs: list[LoadJob] | list[SaveJob], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

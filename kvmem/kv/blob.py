@@ -1,42 +1,70 @@
 """One fact's KV cache as a self-checking safetensors blob.
 
 Layout "LTHD": key and value are [num_layers, num_tokens, num_kv_heads, head_size].
-Keys are stored pre-RoPE (after any per-head k-norm, before rotation), so a blob can be
-injected at any position. The header carries what is needed to refuse a blob that does not
-belong: format version, model fingerprint, token ids and a checksum over all of it.
+
+Format 2 (written now) keeps the keys exactly as the engine cached them: rotated to the
+positions they were encoded at (`key_position` + t) and in the cache's dtype, so a blob is as
+large as the engine's own cache for those tokens (less with a lossy codec, kv/codec.py).
+Injection rotates a key by the move from its encoded to its serving position, and copies it
+untouched when it does not move: a fact served where it was encoded is bit-exact.
+Format 1 (read only) stored pre-RoPE float32 keys; such a blob loads with key_position None.
+
+The header carries what is needed to refuse a blob that does not belong: format version, model
+fingerprint, token ids and a checksum over all of it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import xxhash
 from safetensors.torch import save as st_save
 
-from kvmem.config import KV_FORMAT_VERSION
 from kvmem.errors import BlobError
+from kvmem.kv.codec import CODECS, Coded
 
 LAYOUT = "LTHD"
+FORMAT = 2  # keys as cached, with their encoded position; any codec
+_READABLE = ("1", "2")
 
 
 @dataclass(frozen=True, eq=False)
 class KVBlob:
+    """One fact's KV. `keys` and `values` may be given as plain tensors (codec none)."""
+
     fact_id: str
     fingerprint: str
     token_ids: tuple[int, ...]
-    key: torch.Tensor  # [L, T, H, D], pre-RoPE
-    value: torch.Tensor  # [L, T, H, D]
-    # Optional extra tensors (debugging, e.g. the rotated keys as the engine cached them).
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    keys: Coded  # [L, T, H, D]: rotated to key_position + t as the engine cached them
+    values: Coded  # [L, T, H, D]
+    key_position: int | None = 0  # None: format-1 keys, stored pre-RoPE
 
     def __post_init__(self) -> None:
-        if self.key.dim() != 4 or self.key.shape != self.value.shape:
-            raise ValueError(f"key {tuple(self.key.shape)} and value {tuple(self.value.shape)} must both be [L, T, H, D]")
-        if self.key.shape[1] != len(self.token_ids):
-            raise ValueError(f"{len(self.token_ids)} token ids for {self.key.shape[1]} KV tokens")
+        for name in ("keys", "values"):
+            if isinstance(getattr(self, name), torch.Tensor):
+                object.__setattr__(self, name, Coded("none", {"data": getattr(self, name)}))
+        if len(self.keys.shape) != 4 or self.keys.shape != self.values.shape:
+            raise ValueError(f"keys {self.keys.shape} and values {self.values.shape} must both be [L, T, H, D]")
+        if self.keys.shape[1] != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids for {self.keys.shape[1]} KV tokens")
+        if self.key_position is not None and self.key_position < 0:
+            raise ValueError(f"key_position {self.key_position} must be >= 0")
+
+    @property
+    def key(self) -> torch.Tensor:
+        """The keys decoded [L, T, H, D] (codec none: the stored tensor, no copy)."""
+        return self.keys.decode()
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.values.decode()
+
+    @property
+    def codec(self) -> str:
+        return self.keys.codec
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +72,7 @@ class KVBlob:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.key, self.value, *self.extras.values()))
+        return self.keys.nbytes + self.values.nbytes
 
 
 # xxh3-128 hashes a blob at memory speed: a cold 100-fact request verifies ~70 MB of KV, which
@@ -76,16 +104,20 @@ def _digest(fingerprint: str, token_ids, parts: list[tuple[str, torch.dtype, tup
 
 
 def encode_blob(blob: KVBlob) -> bytes:
-    tensors = {"key": blob.key.contiguous(), "value": blob.value.contiguous()}
-    tensors.update({f"extra.{k}": v.contiguous() for k, v in blob.extras.items()})
+    if blob.key_position is None:
+        raise ValueError("format-1 blobs (pre-RoPE keys) are read, never written")
+    if blob.keys.codec != blob.values.codec:
+        raise ValueError(f"keys in {blob.keys.codec}, values in {blob.values.codec}: one codec per blob")
+    tensors = {f"{role}.{name}": t.contiguous() for role, coded in (("key", blob.keys), ("value", blob.values))
+               for name, t in coded.parts.items()}
     metadata = {
-        "kvmem_format": str(KV_FORMAT_VERSION),
+        "kvmem_format": str(FORMAT),
         "layout": LAYOUT,
         "fact_id": blob.fact_id,
         "fingerprint": blob.fingerprint,
         "num_tokens": str(blob.num_tokens),
-        "key_dtype": str(blob.key.dtype),
-        "value_dtype": str(blob.value.dtype),
+        "codec": blob.codec,
+        "key_position": str(blob.key_position),
         "token_ids": json.dumps(list(blob.token_ids)),
         "checksum_algo": CHECKSUM,
         "checksum": checksum(blob.fingerprint, blob.token_ids, tensors),
@@ -107,8 +139,7 @@ def check_header(header: dict, body_size: int, fact_id: str, fingerprint: str) -
     fact's and this model's? Raises BlobError(CORRUPT | STALE). Finds truncated, empty and
     swapped files at start-up without reading their tensors."""
     meta = header.get("__metadata__") or {}
-    if meta.get("kvmem_format") != str(KV_FORMAT_VERSION) or meta.get("layout") != LAYOUT:
-        raise BlobError(fact_id, BlobError.STALE, f"format {meta.get('kvmem_format')}/{meta.get('layout')}")
+    _check_format(meta, fact_id)
     if meta.get("fact_id") != fact_id:
         raise BlobError(fact_id, BlobError.CORRUPT, f"holds fact {meta.get('fact_id')!r}")
     if meta.get("fingerprint") != fingerprint:
@@ -121,7 +152,7 @@ def check_header(header: dict, body_size: int, fact_id: str, fingerprint: str) -
         raise BlobError(fact_id, BlobError.CORRUPT, f"{body_size} data bytes, the header says {end}")
 
 
-def _verified(data, fact_id: str, fingerprint: str) -> tuple[tuple[int, ...], list]:
+def _verified(data, fact_id: str, fingerprint: str) -> tuple[tuple[int, ...], list, dict]:
     try:
         header_len = int.from_bytes(data[:8], "little")
         header = json.loads(data[8 : 8 + header_len])
@@ -132,8 +163,7 @@ def _verified(data, fact_id: str, fingerprint: str) -> tuple[tuple[int, ...], li
                  for name, info in header.items()]
     except Exception as e:  # noqa: BLE001 - any parse failure is corruption
         raise BlobError(fact_id, BlobError.CORRUPT, f"unreadable: {e}") from e
-    if meta.get("kvmem_format") != str(KV_FORMAT_VERSION) or meta.get("layout") != LAYOUT:
-        raise BlobError(fact_id, BlobError.STALE, f"format {meta.get('kvmem_format')}/{meta.get('layout')}")
+    _check_format(meta, fact_id)
     algo = meta.get("checksum_algo", "blake2b")  # blobs written before xxh3 carry no algo
     if algo not in _HASHES:
         raise BlobError(fact_id, BlobError.STALE, f"unknown checksum {algo!r}")
@@ -143,7 +173,14 @@ def _verified(data, fact_id: str, fingerprint: str) -> tuple[tuple[int, ...], li
         raise BlobError(fact_id, BlobError.STALE, f"written for model {meta['fingerprint'][:12]}")
     if meta.get("fact_id") != fact_id:
         raise BlobError(fact_id, BlobError.CORRUPT, f"holds fact {meta.get('fact_id')!r}")
-    return token_ids, parts
+    return token_ids, parts, meta
+
+
+def _check_format(meta: dict, fact_id: str) -> None:
+    if meta.get("kvmem_format") not in _READABLE or meta.get("layout") != LAYOUT:
+        raise BlobError(fact_id, BlobError.STALE, f"format {meta.get('kvmem_format')}/{meta.get('layout')}")
+    if meta.get("codec", "none") not in CODECS:
+        raise BlobError(fact_id, BlobError.STALE, f"unknown codec {meta.get('codec')!r}")
 
 
 def decode_blob(data: bytes | bytearray, fact_id: str, fingerprint: str) -> KVBlob:
@@ -153,11 +190,15 @@ def decode_blob(data: bytes | bytearray, fact_id: str, fingerprint: str) -> KVBl
     """
     if not isinstance(data, bytearray):
         data = bytearray(data)  # torch wants a writable buffer to share
-    token_ids, parts = _verified(data, fact_id, fingerprint)
+    token_ids, parts, meta = _verified(data, fact_id, fingerprint)
     try:
         tensors = {name: _tensor(raw, dtype, shape) for name, dtype, shape, raw in parts}
-        extras = {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
-        return KVBlob(fact_id, fingerprint, token_ids, tensors["key"], tensors["value"], extras)
+        if meta["kvmem_format"] == "1":  # pre-RoPE float32 keys, cache-dtype values
+            return KVBlob(fact_id, fingerprint, token_ids, tensors["key"], tensors["value"], None)
+        codec = meta.get("codec", "none")
+        coded = {role: Coded(codec, {name.removeprefix(role + "."): t for name, t in tensors.items()
+                                     if name.startswith(role + ".")}) for role in ("key", "value")}
+        return KVBlob(fact_id, fingerprint, token_ids, coded["key"], coded["value"], int(meta["key_position"]))
     except Exception as e:  # noqa: BLE001 - a verified file that still does not parse is corrupt
         raise BlobError(fact_id, BlobError.CORRUPT, str(e)) from e
 
@@ -169,4 +210,5 @@ def _tensor(raw: memoryview, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
 
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+                 "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
+                 "U8": torch.uint8}

@@ -19,8 +19,14 @@ class ModelInfo:
     num_kv_heads: int
     head_size: int
 
-    def kv_bytes_per_token(self, key_itemsize: int, value_itemsize: int) -> int:
-        return self.num_layers * self.num_kv_heads * self.head_size * (key_itemsize + value_itemsize)
+    def kv_bytes_per_token(self, codec: str = "none") -> int:
+        """Bytes of one token's K and V in a blob: the engine's own for codec none."""
+        import torch
+
+        from kvmem.kv.codec import bytes_per_token
+
+        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return bytes_per_token(codec, self.num_layers, self.num_kv_heads, self.head_size, itemsize)
 
 
 def resolve_model(model: str | None, models_dir: Path, dtype: str = "bfloat16") -> ModelInfo:

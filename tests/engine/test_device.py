@@ -64,12 +64,12 @@ def test_calibrated_gather_runs_on_the_cache_device(model_dir):
     assert torch.equal(to_host(got_k), key) and torch.equal(to_host(got_v), value)
 
 
-def worker(tmp_path, rope, model_dir):
+def worker(tmp_path, rope, model_dir, codec="none"):
     from kvmem.engine.worker_side import WorkerSide
 
     layer = cpu_attention_layer(str(model_dir), BS, DIM)
-    return WorkerSide(KVStore(tmp_path, FP), KeyRotator(rope), BS, BLOCKS, HEADS, DIM, torch.float32, None,
-                      {name: layer for name in NAMES})
+    return WorkerSide(KVStore(tmp_path, FP), KeyRotator(rope), BS, BLOCKS, HEADS, DIM,
+                      {name: layer for name in NAMES}, codec=codec)
 
 
 def test_encode_then_inject_on_the_device_round_trips(tmp_path, rope, model_dir):
@@ -101,12 +101,14 @@ def test_encode_then_inject_on_the_device_round_trips(tmp_path, rope, model_dir)
         assert not side.failed_block_ids
         got_k, got_v = side.gather(slot_mapping(srv_blocks, srv_pos, BS))
     blob = side.store.get("f")
-    assert blob.token_ids == tuple(range(n)) and blob.key.dtype == torch.float32
-    # Un-rotating the bf16 cached keys on the device recovers the pre-RoPE keys to bf16 precision.
-    assert torch.allclose(blob.key, pre_k, rtol=2**-7, atol=2e-2)
-    assert torch.equal(blob.value, value)
-    # Injected at other positions: exactly the blob rotated there, rounded to the cache dtype.
-    assert torch.equal(got_k, rotator.rotate(blob.key, srv_pos).to(torch.bfloat16))
+    # The blob holds the keys as cached, where they were encoded.
+    assert blob.token_ids == tuple(range(n)) and blob.key_position == 25
+    assert torch.equal(blob.key, cached_k) and torch.equal(blob.value, value)
+    # Injected at other positions: the cached keys moved there in float32, rounded to the cache dtype.
+    moved = cached_k.float().contiguous()
+    rotator.move(moved, enc_pos, srv_pos)
+    assert torch.equal(got_k, moved.to(torch.bfloat16))
+    assert torch.allclose(got_k.float(), rotator.rotate(pre_k, srv_pos), rtol=2**-6, atol=3e-2)
     assert torch.equal(got_v, value)
 
 
@@ -118,3 +120,99 @@ def test_a_failed_injection_reports_blocks_instead_of_raising(tmp_path, rope, mo
         side.register_kv_caches({name: to_device(empty_cache()) for name in NAMES})
         side.load(ConnectorMeta(loads=[LoadJob("r", (1, 3), (Span("absent", 30, 10),))]))
     assert side.failed_block_ids == {1, 3}
+
+
+def _inject(side, spans_blobs, srv_blocks):
+    """Put blobs in the store, inject them as one step's spans; -> the cache's K, V at those slots."""
+    from kvmem.engine.paged import slot_mapping
+    from kvmem.engine.plan import ConnectorMeta, LoadJob
+
+    for blob in spans_blobs.values():
+        side.store.put(blob) if blob.key_position is not None else _put_format1(side.store, blob)
+    spans = tuple(spans_blobs)
+    side.load(ConnectorMeta(loads=[LoadJob("srv", srv_blocks, spans)]))
+    for name in NAMES:
+        side.wait_layer(name)
+    assert not side.failed_block_ids
+    positions = torch.cat([torch.arange(s.start, s.end) for s in spans])
+    return side.gather(slot_mapping(srv_blocks, positions, BS))
+
+
+def _put_format1(store, blob):
+    from tests.kv.test_blob import _format1_bytes
+
+    store.dir.mkdir(parents=True, exist_ok=True)
+    store.path(blob.fact_id).write_bytes(_format1_bytes(blob.fact_id, blob.key, blob.value, blob.token_ids, FP))
+
+
+def _cached(seed: int, n: int, position: int, rotator):
+    """Keys as a forward caches them at [position, position + n), bf16, with their pre-RoPE form."""
+    g = torch.Generator().manual_seed(seed)
+    pre = torch.randn(LAYERS, n, HEADS, DIM, generator=g)
+    value = torch.randn(LAYERS, n, HEADS, DIM, generator=g).to(torch.bfloat16)
+    return pre, rotator.rotate(pre, torch.arange(position, position + n)).to(torch.bfloat16), value
+
+
+def test_a_fact_served_where_it_was_encoded_is_bit_exact_beside_one_that_moves(tmp_path, rope, model_dir):
+    from kvmem.engine.plan import Span
+    from kvmem.kv.blob import KVBlob
+
+    side, rotator = worker(tmp_path, rope, model_dir), KeyRotator(rope)
+    _, k_stay, v_stay = _cached(1, 10, 0, rotator)
+    _, k_move, v_move = _cached(2, 12, 40, rotator)
+    blobs = {Span("stay", 0, 10): KVBlob("stay", FP, tuple(range(10)), k_stay, v_stay, 0),
+             Span("move", 10, 12): KVBlob("move", FP, tuple(range(12)), k_move, v_move, 40)}
+    with SimulatedDevice():
+        side.register_kv_caches({name: to_device(empty_cache()) for name in NAMES})
+        got_k, got_v = _inject(side, blobs, (0,))
+    assert torch.equal(got_k[:, :10], k_stay)  # untouched: no float32 round trip at all
+    moved = k_move.float().contiguous()
+    rotator.move(moved, torch.arange(40, 52), torch.arange(10, 22))
+    assert torch.equal(got_k[:, 10:], moved.to(torch.bfloat16))
+    assert torch.equal(got_v, torch.cat((v_stay, v_move), dim=1))
+
+
+def test_format_1_blobs_inject_beside_format_2_ones(tmp_path, rope, model_dir):
+    """A pre-RoPE float32 blob written before format 2 is rotated to its serving position."""
+    from kvmem.engine.plan import Span
+    from kvmem.kv.blob import KVBlob
+
+    side, rotator = worker(tmp_path, rope, model_dir), KeyRotator(rope)
+    pre_old, _, v_old = _cached(3, 8, 0, rotator)
+    _, k_new, v_new = _cached(4, 8, 8, rotator)
+    blobs = {Span("old", 0, 8): KVBlob("old", FP, tuple(range(8)), pre_old, v_old, None),
+             Span("new", 8, 8): KVBlob("new", FP, tuple(range(8)), k_new, v_new, 8)}
+    with SimulatedDevice():
+        side.register_kv_caches({name: to_device(empty_cache()) for name in NAMES})
+        got_k, got_v = _inject(side, blobs, (1,))
+    assert torch.equal(got_k[:, :8], rotator.rotate(pre_old, torch.arange(8)).to(torch.bfloat16))
+    assert torch.equal(got_k[:, 8:], k_new)
+    assert torch.equal(got_v, torch.cat((v_old, v_new), dim=1))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_coded_blobs_are_encoded_and_decoded_on_their_way(tmp_path, rope, model_dir, codec):
+    """Encode with a codec, inject where encoded: the cache gets the codec's decode of the keys."""
+    from kvmem.engine.paged import slot_mapping
+    from kvmem.engine.plan import ConnectorMeta, SaveJob, Span
+    from kvmem.kv.codec import encode
+
+    side, rotator = worker(tmp_path, rope, model_dir, codec=codec), KeyRotator(rope)
+    n = 9
+    _, cached_k, value = _cached(5, n, 32, rotator)
+    with SimulatedDevice():
+        caches = {name: to_device(empty_cache()) for name in NAMES}
+        side.register_kv_caches(caches)
+        slots = slot_mapping((0, 2), torch.arange(32, 32 + n), BS).to(side.device)
+        for i, name in enumerate(NAMES):
+            side._layers[name].impl.do_kv_cache_update(side._layers[name], cached_k[i].to(side.device),
+                                                       value[i].to(side.device), caches[name], slots)
+        side.save(ConnectorMeta(saves=[SaveJob("enc", (0, 2), (Span("f", 32, n),), (tuple(range(n)),))]))
+        side.finished({"enc"})
+        side._writer.flush()
+        blob = side.store.get("f")
+        got_k, got_v = _inject(side, {Span("f", 32, n): blob}, (4, 3))
+    assert blob.codec == codec and blob.key_position == 32
+    assert torch.equal(got_k, encode(cached_k, codec).decode(torch.bfloat16))
+    assert torch.equal(got_v, encode(value, codec).decode(torch.bfloat16))
+    assert not torch.equal(got_k, cached_k)  # lossy

@@ -71,29 +71,36 @@ def test_k10_injection_claims_all_facts(mem):
     assert gap < 3.0
 
 
-def test_rotating_stored_key_reproduces_engine_cache(mem):
-    """Pre-RoPE K rotated back to its encoding positions equals what the engine cached there."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
+def test_stored_keys_are_the_engine_cache_at_their_encoded_position(mem):
+    """A blob holds the keys as the engine cached them (rotated, bf16) with the position they
+    were encoded at: encoding the same fact text with no context puts it elsewhere, and moving
+    those keys to the first blob's position reproduces them up to bf16 rounding."""
     from kvmem.engine.rope import KeyRotator
 
     fact = add_fact(mem, "rope", FACTS[1], context="We talked about moving abroad.", encode="none")
-    mem.encoder.encode([fact], keep_rotated=True)
-    blob = mem.kv.get(fact.id)
-    cfg = mem.engine._llm.llm_engine.vllm_config
-    hf = cfg.model_config.hf_text_config
+    plain = add_fact(mem, "rope-plain", FACTS[1], encode="none")
+    mem.encoder.encode([fact, plain])
+    blob, other = mem.kv.get(fact.id), mem.kv.get(plain.id)
+    head = len(mem.prompts.head_ids)
+    assert blob.key_position == head + len(mem.prompts.context_tokens(fact.context))
+    assert other.key_position == head and blob.key.dtype == torch.bfloat16 == blob.value.dtype
+    # Layer 0 sees only the token itself (no context yet): its keys differ by rotation alone.
+    rotator = KeyRotator(_model_rope(mem))
+    n = blob.num_tokens
+    moved = other.key[:1].float().contiguous()
+    rotator.move(moved, torch.arange(head, head + n), torch.arange(blob.key_position, blob.key_position + n))
+    assert torch.allclose(moved, blob.key[:1].float(), rtol=2**-6, atol=2e-2)
+    assert not torch.allclose(other.key[:1].float(), blob.key[:1].float(), rtol=2**-6, atol=2e-2)
+
+
+def _model_rope(mem):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    hf = mem.engine._llm.llm_engine.vllm_config.model_config.hf_text_config
     with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(64, max_position=hf.max_position_embeddings, rope_parameters=hf.rope_parameters,
+        return get_rope(64, max_position=hf.max_position_embeddings, rope_parameters=hf.rope_parameters,
                         dtype=torch.bfloat16)
-    start = len(mem.prompts.head_ids) + len(mem.prompts.context_tokens(fact.context))
-    positions = torch.arange(start, start + blob.num_tokens)
-    rotated = KeyRotator(rope).rotate(blob.key, positions).to(torch.bfloat16)
-    engine_k = blob.extras["key_rotated"]
-    # Equal up to one bf16 rounding step (relative 2^-8) of each element.
-    assert torch.allclose(rotated.float(), engine_k.float(), rtol=2**-7, atol=1e-3)
-    assert (rotated == engine_k).float().mean() > 0.99
-    assert not torch.equal(blob.key.to(torch.bfloat16), engine_k)  # keys really are stored un-rotated
 
 
 def test_k10_facts_encoded_after_their_true_prefix_reproduce_text_prefill(mem):

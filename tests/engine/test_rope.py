@@ -87,6 +87,46 @@ def test_moving_a_key_is_rotating_by_the_difference(rope):
     assert torch.allclose(moved, rot.rotate(pre, torch.arange(500, 508)), atol=1e-2)
 
 
+@pytest.mark.parametrize("which", ["rope", "llama3_rope", "partial_gptj_rope"])
+def test_move_is_unrotate_then_rotate_in_one_call(which, request):
+    """move() composes R(q) R(p)^-1 per token and rotates once: the same keys as the two-step
+    route, forwards and backwards, and a pre-RoPE key (src -1) is simply rotated."""
+    rot = KeyRotator(request.getfixturevalue(which))
+    pre = torch.randn(2, 6, 3, 64)
+    src = torch.tensor([10, 11, 300, 301, 5, -1])
+    dst = torch.tensor([500, 11, 20, 21, 5, 7])  # forwards, staying, backwards, and a pre-RoPE key
+    cached = rot.rotate(pre, src.clamp_min(0))
+    cached[:, 5] = pre[:, 5]
+    moved = rot.move(cached.clone(), src, dst)
+    two_step = cached.clone()
+    two_step[:, :5] = rot.unrotate(cached[:, :5], src[:5])
+    assert torch.allclose(moved, rot.rotate(two_step, dst), atol=1e-5)
+    assert torch.allclose(moved, rot.rotate(pre, dst), atol=1e-4)
+
+
+def test_a_scaled_table_moves_exactly(model_dir):
+    """LongRoPE's table carries a scale (|c + is| != 1): the composed row divides it out once."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope import (
+        Phi3LongRoPEScaledRotaryEmbedding,
+    )
+
+    config = VllmConfig()
+    config.model_config = SimpleNamespace(max_model_len=4096)
+    with set_current_vllm_config(config):
+        rope = Phi3LongRoPEScaledRotaryEmbedding(
+            64, 32, 4096, 1024, 10000.0, True, torch.float32,
+            short_factor=[1.0] * 16, long_factor=[1.5 + i for i in range(16)])
+    rot = KeyRotator(rope)
+    pre = torch.randn(1, 4, 2, 64)
+    src, dst = torch.tensor([100, 101, -1, 7]), torch.tensor([3, 900, 50, 7])
+    cached = rot.rotate(pre, src.clamp_min(0))
+    cached[:, 2] = pre[:, 2]
+    assert torch.allclose(rot.move(cached.clone(), src, dst), rot.rotate(pre, dst), atol=1e-4)
+
+
 def test_positions_beyond_the_table_are_refused(rope):
     with pytest.raises(ValueError, match="beyond"):
         KeyRotator(rope).rotate(torch.zeros(1, 1, 3, 64), torch.tensor([9000]))

@@ -2,27 +2,66 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save
 
 from kvmem.errors import BlobError, InvalidInputError
 from kvmem.kv.blob import KVBlob, checksum, decode_blob, encode_blob
+from kvmem.kv.codec import encode
 from kvmem.kv.store import KVStore
 
 FP = "a" * 64
 
 
-def make_blob(fact_id="f1", tokens=5, fp=FP, seed=0):
+def make_blob(fact_id="f1", tokens=5, fp=FP, seed=0, codec="none", position=7):
     g = torch.Generator().manual_seed(seed)
-    key = torch.randn(4, tokens, 3, 8, generator=g)  # [L, T, H, D]
+    key = torch.randn(4, tokens, 3, 8, generator=g).to(torch.bfloat16)  # [L, T, H, D] as cached
     value = torch.randn(4, tokens, 3, 8, generator=g).to(torch.bfloat16)
-    return KVBlob(fact_id, fp, tuple(range(100, 100 + tokens)), key, value)
+    return KVBlob(fact_id, fp, tuple(range(100, 100 + tokens)), encode(key, codec), encode(value, codec), position)
 
 
 def test_round_trip_is_exact():
     blob = make_blob()
     back = decode_blob(encode_blob(blob), "f1", FP)
-    assert back.token_ids == blob.token_ids
-    assert torch.equal(back.key, blob.key) and back.key.dtype == torch.float32
+    assert back.token_ids == blob.token_ids and back.key_position == 7 and back.codec == "none"
+    assert torch.equal(back.key, blob.key) and back.key.dtype == torch.bfloat16
     assert torch.equal(back.value, blob.value) and back.value.dtype == torch.bfloat16
+
+
+def test_a_blob_is_as_large_as_the_cache_it_holds():
+    blob = make_blob(tokens=20)
+    assert blob.nbytes == 2 * 4 * 20 * 3 * 8 * 2  # K and V, bf16, nothing else
+    assert len(encode_blob(blob)) < blob.nbytes + 1200  # + the header (token ids, checksum)
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+def test_coded_blobs_round_trip_their_parts_exactly(codec):
+    blob = make_blob(codec=codec)
+    back = decode_blob(encode_blob(blob), "f1", FP)
+    assert back.codec == codec and back.key_position == 7
+    for role in ("keys", "values"):
+        mine, theirs = getattr(blob, role).parts, getattr(back, role).parts
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine)
+    assert torch.equal(back.key, blob.key) and blob.nbytes <= make_blob().nbytes * 0.625  # D = 8: scales weigh more than at 64
+
+
+def _format1_bytes(blob_id: str, key, value, token_ids, fp: str = FP) -> bytes:
+    """A blob as kvmem wrote them before format 2: pre-RoPE float32 keys, no codec, no position."""
+    tensors = {"key": key, "value": value}
+    meta = {"kvmem_format": "1", "layout": "LTHD", "fact_id": blob_id, "fingerprint": fp,
+            "num_tokens": str(len(token_ids)), "token_ids": json.dumps(list(token_ids)),
+            "checksum_algo": "xxh3_128", "checksum": checksum(fp, tuple(token_ids), tensors)}
+    return save(tensors, metadata=meta)
+
+
+def test_format_1_blobs_still_load_with_their_pre_rope_keys():
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(4, 5, 3, 8, generator=g), torch.randn(4, 5, 3, 8, generator=g).to(torch.bfloat16)
+    back = decode_blob(_format1_bytes("f1", key, value, range(5)), "f1", FP)
+    assert back.key_position is None and back.codec == "none" and back.token_ids == tuple(range(5))
+    assert torch.equal(back.key, key) and torch.equal(back.value, value)
+    with pytest.raises(ValueError, match="format-1"):
+        encode_blob(back)  # read, never written
 
 
 def test_flipped_byte_is_corrupt():
@@ -44,7 +83,7 @@ def _rewrite_metadata(data: bytes, **changes) -> bytes:
 
 def test_blobs_checksummed_with_blake2b_before_xxh3_still_load():
     blob = make_blob()
-    tensors = {"key": blob.key, "value": blob.value}
+    tensors = {"key.data": blob.key, "value.data": blob.value}
     old = _rewrite_metadata(encode_blob(blob), checksum_algo=None,
                             checksum=checksum(FP, blob.token_ids, tensors, "blake2b"))
     assert torch.equal(decode_blob(old, "f1", FP).key, blob.key)

@@ -1,0 +1,71 @@
+"""Each codec's round trip stays within the error it states, and slicing by token commutes with it."""
+
+import pytest
+import torch
+
+from kvmem.errors import InvalidInputError
+from kvmem.kv.codec import CODECS, bytes_per_token, check_codec, encode
+
+
+def kv_like(seed=0, shape=(3, 17, 2, 64)):
+    """bf16 [L, T, H, D] with outlier channels, as real keys have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[..., 5] *= 20  # an outlier channel
+    return x.to(torch.bfloat16)
+
+
+# Largest error relative to the (layer, token, head) row's absolute maximum.
+BOUNDS = {"fp8": 2**-4, "int8": 0.5 / 127 + 2**-9, "int4": 0.5 / 15 * 2 + 2**-9}
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+def test_round_trip_within_the_stated_error(codec):
+    x = kv_like()
+    coded = encode(x, codec)
+    back = coded.decode()
+    assert back.shape == x.shape and back.dtype == torch.float32
+    row_max = x.float().abs().amax(-1, keepdim=True)
+    err = ((back - x.float()).abs() / row_max).max().item()
+    assert err <= BOUNDS[codec], f"{codec}: {err}"
+    assert err > 0  # lossy codecs really are lossy: the bound is not vacuous
+    assert coded.decode(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_none_is_the_tensor_itself():
+    x = kv_like()
+    coded = encode(x, "none")
+    assert coded.decode() is coded.parts["data"] and torch.equal(coded.decode(), x)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_token_slices_decode_to_the_same_values(codec):
+    x = kv_like(1)
+    coded = encode(x, codec)
+    assert torch.equal(coded.tokens(4, 9).decode(), coded.decode()[:, 4:9])
+    assert coded.tokens(4, 9).shape == (3, 5, 2, 64)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_bytes_per_token_is_what_a_coded_tensor_holds(codec):
+    x = kv_like(2)
+    per_token = (encode(x, codec).nbytes * 2) // x.shape[1]  # K and V
+    assert per_token == bytes_per_token(codec, 3, 2, 64, itemsize=2)
+
+
+def test_sizes_against_the_cache():
+    bf16 = bytes_per_token("none", 30, 3, 64, 2)
+    assert bf16 == 23_040  # SmolLM2-135M's own cache per token
+    assert bf16 / bytes_per_token("int4", 30, 3, 64, 2) > 3.5
+    assert bf16 / bytes_per_token("int8", 30, 3, 64, 2) > 1.9
+
+
+def test_zero_rows_survive():
+    x = torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16)
+    for codec in CODECS:
+        assert torch.equal(encode(x, codec).decode(torch.bfloat16), x)
+
+
+def test_unknown_codec_is_refused():
+    with pytest.raises(InvalidInputError, match="unknown KV codec"):
+        check_codec("zip")
