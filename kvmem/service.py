@@ -325,7 +325,8 @@ class KVMem:
         self._need_engine()
         if mode == "kv":
             self.encoder.ensure_head()
-        prompt = self.prompts.chat([(f.id, self.prompts.fact_tokens(f.text)) for f in facts], messages)
+        tokens = self.prompts.fact_tokens_many([f.text for f in facts])
+        prompt = self.prompts.chat([(f.id, t) for f, t in zip(facts, tokens)], messages)
         if len(prompt.token_ids) + max_tokens > self.config.engine.max_model_len:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}")

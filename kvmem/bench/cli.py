@@ -1,4 +1,4 @@
-"""`kvmem bench ttft|load|oracle|ann` and `kvmem eval locomo`: argument parsing and report writing."""
+"""`kvmem bench ttft|load|oracle|codecs|ann` and `kvmem eval locomo`: argument parsing and report writing."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ def add_parsers(sub) -> None:
     o = bench.add_parser("oracle", help="injected KV vs text prefill of the same prompt (k=1 exact, k=10 approx.)")
     o.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     o.set_defaults(func=cmd_oracle)
+    cd = bench.add_parser("codecs", help="KV codecs side by side: bytes/token, k=1 gap, k=10 agreement and KL")
+    cd.add_argument("--prompts", type=int, default=60, help="k=10 prompts per codec (default: 60)")
+    _common(cd, "codecs")
+    cd.set_defaults(func=cmd_codecs)
     a = bench.add_parser("ann", help="graph index vs faiss HNSW / IVF-RaBitQ, hnswlib, exact scan (clustered data)")
     a.add_argument("-n", type=int, default=100_000, help="base vectors (default: 100000)")
     a.add_argument("--dim", type=int, default=384)
@@ -104,6 +108,15 @@ def cmd_oracle(args, config) -> int:
     with _open(config) as mem:
         result = oracle.run(mem)
     print(oracle.report(result, (args.out or RESULTS) / "oracle"))
+    return 0
+
+
+def cmd_codecs(args, config) -> int:
+    from kvmem.bench import codecs
+
+    with _open(config) as mem:
+        result = codecs.run(mem, data=args.data, prompts=args.prompts, seed=args.seed)
+    print(codecs.report(result, (args.out or RESULTS) / "codecs"))
     return 0
 
 

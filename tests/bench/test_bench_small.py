@@ -76,3 +76,19 @@ def test_locomo_eval_never_resumes_from_another_models_log(mem, tmp_path, locomo
     assert len(rows) == 2 and not any(r.get("bogus") for r in rows)
     assert all(r.kv_status == "encoded" for r in mem.get_all(user_id=user, limit=10_000))
     assert (tmp_path / f"{cfg.name}.{mem.model.fingerprint[:12]}.jsonl").exists() and cfg.name.endswith("-dense")
+
+
+def test_codecs_bench_compares_every_codec_against_the_lossless_blobs(mem, tmp_path, locomo_path):
+    from kvmem.bench import codecs
+
+    result = codecs.run(mem, data=locomo_path, prompts=4, k=3)
+    rows = result["codecs"]
+    assert list(rows) == ["none", "fp8", "int8", "int4"]
+    none = rows["none"]
+    assert none["k10_top1_agree_vs_lossless"] == 1.0 and none["k10_mean_kl_vs_lossless"] == 0.0
+    assert none["k1_max_gap"] < 0.05  # injected where encoded: the engine's own cache, bit for bit
+    assert none["bytes_per_token"] == mem.model.kv_bytes_per_token("none")
+    assert rows["int4"]["bytes_per_token"] < rows["int8"]["bytes_per_token"] < none["bytes_per_token"] / 1.9
+    assert all(0 <= r["k10_top1_agree_vs_text"] <= 1 and r["kv_ttft_median_s"] > 0 for r in rows.values())
+    assert "int4" in codecs.report(result, tmp_path / "codecs") and (tmp_path / "codecs.json").exists()
+    assert mem.get_all(user_id=codecs.USER) == []

@@ -47,3 +47,11 @@ def test_empty_or_non_string_facts_are_refused(builder, bad):
 def test_bad_messages_are_refused(builder, messages):
     with pytest.raises(InvalidInputError):
         builder.chat([], messages)
+
+
+def test_facts_tokenized_in_a_batch_match_one_at_a_time(builder):
+    texts = ["I like tea.", "My cat is Miso.", "I like tea.", "  Spaces around  ", "Ünïcode façts 🙂"]
+    one_by_one = [tuple(builder._tokens(builder.config.fact_template.format(text=t.strip()))) for t in texts]
+    assert builder.fact_tokens_many(texts) == one_by_one
+    assert builder.fact_tokens_many(texts) == one_by_one  # now from the cache
+    assert len(builder._fact_cache) == 4

@@ -1,0 +1,102 @@
+"""`kvmem bench codecs`: each KV codec's size, speed and fidelity, side by side on one engine.
+
+The facts are encoded once, losslessly (codec none); for each codec every blob is re-coded from
+those originals in place, so all codecs serve the same KV up to their own rounding. Per codec:
+bytes per token, the k=1 oracle gap (a fact injected where it was encoded, against text prefill),
+and at k=10 (LoCoMo observations of the tuning conversations, facts and questions drawn at
+random) first-token agreement and KL against text prefill and against the lossless blobs, and
+KV-mode TTFT. Codecs take turns per prompt, so machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvmem.bench import locomo
+from kvmem.bench.metrics import top20_kl
+from kvmem.bench.oracle import FACTS, QUESTIONS, logprob_gap
+from kvmem.bench.report import write_json
+from kvmem.kv.blob import KVBlob
+from kvmem.kv.codec import CODECS, encode
+
+USER = "bench-codecs"
+TUNING = ("conv-26", "conv-30", "conv-41")
+
+
+def run(mem, *, data: Path, prompts: int = 60, k: int = 10, seed: int = 0) -> dict:
+    if mem.config.kv.codec != "none":
+        raise SystemExit("run this bench with the default codec (none): it re-codes lossless originals")
+    convs = [c for c in locomo.load(data) if c["sample_id"] in TUNING]
+    pool = [o.text for c in convs for o in locomo.observations(c)][:200]
+    questions = [q["question"] for c in convs for q in locomo.questions(c)]
+    mem.delete_all(user_id=USER)
+    k1_ids = list(mem.add(facts=FACTS, user_id=USER).ids)
+    ids = list(mem.add(facts=pool, user_id=USER).ids)
+    originals = {fid: mem.kv.get(fid) for fid in k1_ids + ids}
+    rng = random.Random(seed)
+    plan = [(rng.sample(ids, k), rng.choice(questions)) for _ in range(prompts)]
+    text_k1 = [_first(mem, q, [fid], "text") for fid, q in zip(k1_ids, QUESTIONS)]
+    text = [_first(mem, q, chosen, "text") for chosen, q in tqdm(plan, desc="text prefill", unit="prompt")]
+    rows = {}
+    for codec in CODECS:  # none first: the lossless reference for the others
+        _recode(mem, originals, codec)
+        mem.chat(QUESTIONS[0], user_id=USER, fact_ids=ids[:k], mode="kv", max_tokens=1)  # warm the hot cache
+        k1 = [_first(mem, q, [fid], "kv") for fid, q in zip(k1_ids, QUESTIONS)]
+        kv, ttft = [], []
+        for chosen, q in tqdm(plan, desc=f"kv {codec}", unit="prompt"):
+            r = mem.chat(q, user_id=USER, fact_ids=chosen, mode="kv", max_tokens=1)
+            kv.append(r.first_logprobs)
+            ttft.append(r.ttft_s)
+        rows[codec] = _row(codec, originals, text_k1, k1, text, kv, rows.get("none", {}).get("_kv", kv), ttft)
+    _recode(mem, originals, "none")
+    mem.delete_all(user_id=USER)
+    for row in rows.values():
+        row.pop("_kv")
+    return {"bench": "codecs", "model": mem.model.path.name, "prompts": prompts, "k": k, "seed": seed,
+            "conversations": list(TUNING), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "codecs": rows}
+
+
+def _first(mem, q: str, fact_ids: list[str], mode: str) -> dict[int, float]:
+    return mem.chat(q, user_id=USER, fact_ids=fact_ids, mode=mode, max_tokens=1).first_logprobs
+
+
+def _recode(mem, originals: dict[str, KVBlob], codec: str) -> None:
+    for blob in originals.values():
+        mem.kv.put(KVBlob(blob.fact_id, blob.fingerprint, blob.token_ids, encode(blob.key, codec),
+                          encode(blob.value, codec), blob.key_position))
+
+
+def _row(codec, originals, text_k1, k1, text, kv, lossless, ttft) -> dict:
+    tokens = sum(b.num_tokens for b in originals.values())
+    nbytes = sum(encode(b.key, codec).nbytes + encode(b.value, codec).nbytes for b in originals.values())
+    return {
+        "bytes_per_token": nbytes / tokens,
+        "k1_max_gap": max(logprob_gap(t, x) for t, x in zip(text_k1, k1)),
+        "k1_top1_agree": _agree(text_k1, k1),
+        "k10_top1_agree_vs_text": _agree(text, kv),
+        "k10_mean_kl_vs_text": statistics.fmean(top20_kl(t, x) for t, x in zip(text, kv)),
+        "k10_top1_agree_vs_lossless": _agree(lossless, kv),
+        "k10_mean_kl_vs_lossless": statistics.fmean(top20_kl(t, x) for t, x in zip(lossless, kv)),
+        "kv_ttft_median_s": statistics.median(ttft),
+        "_kv": kv,
+    }
+
+
+def _agree(a: list[dict], b: list[dict]) -> float:
+    return sum(max(x, key=x.get) == max(y, key=y.get) for x, y in zip(a, b)) / len(a)
+
+
+def report(result: dict, out: Path) -> str:
+    path = write_json(result, out.with_suffix(".json"))
+    lines = [f"{result['model']}, {result['prompts']} prompts at k={result['k']}:",
+             "codec  B/token  k1 gap  k10 agree/text  KL/text  agree/lossless  KL/lossless  kv TTFT"]
+    for codec, r in result["codecs"].items():
+        lines.append(f"{codec:6} {r['bytes_per_token']:8,.0f} {r['k1_max_gap']:7.4f} {r['k10_top1_agree_vs_text']:15.3f} "
+                     f"{r['k10_mean_kl_vs_text']:8.3f} {r['k10_top1_agree_vs_lossless']:15.3f} "
+                     f"{r['k10_mean_kl_vs_lossless']:12.4f} {r['kv_ttft_median_s'] * 1000:6.1f} ms")
+    return "\n".join(lines + [f"wrote {path}"])
