@@ -34,6 +34,10 @@ class UnknownFactError(KvmemError, KeyError):
         return self.args[0]
 
 
+class IndexFileError(KvmemError):
+    """A saved vector index that cannot be read: missing, truncated, or not written by this version."""
+
+
 class InvalidInputError(KvmemError, ValueError):
     """Input that kvmem refuses: empty text, bad mode, a prompt that cannot fit, ..."""
 

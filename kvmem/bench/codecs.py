@@ -1,7 +1,7 @@
 """`kvmem bench codecs`: each KV codec's size, speed and fidelity, side by side on one engine.
 
-The facts are encoded once, losslessly (codec none); for each codec every blob is re-coded from
-those originals in place, so all codecs serve the same KV up to their own rounding. Per codec:
+The facts are encoded once, losslessly (codec none); each codec gets a copy of them whose blobs
+are re-coded from those originals, so all codecs serve the same KV up to their own rounding. Per codec:
 bytes per token, the k=1 oracle gap (a fact injected where it was encoded, against text prefill),
 and at k=10 (LoCoMo observations of the tuning conversations, facts and questions drawn at
 random) first-token agreement and KL against text prefill and against the lossless blobs, and
@@ -32,48 +32,57 @@ def run(mem, *, data: Path, prompts: int = 60, k: int = 10, seed: int = 0) -> di
     if mem.config.kv.codec != "none":
         raise SystemExit("run this bench with the default codec (none): it re-codes lossless originals")
     convs = [c for c in locomo.load(data) if c["sample_id"] in TUNING]
-    pool = [o.text for c in convs for o in locomo.observations(c)][:200]
+    texts = FACTS + [o.text for c in convs for o in locomo.observations(c)][:200]
     questions = [q["question"] for c in convs for q in locomo.questions(c)]
-    mem.delete_all(user_id=USER)
-    k1_ids = list(mem.add(facts=FACTS, user_id=USER).ids)
-    ids = list(mem.add(facts=pool, user_id=USER).ids)
-    originals = {fid: mem.kv.get(fid) for fid in k1_ids + ids}
+    users = [USER] + [f"{USER}-{codec}" for codec in CODECS]
+    for user in users:
+        mem.delete_all(user_id=user)
+    ids = list(mem.add(facts=texts, user_id=USER).ids)  # encoded once, losslessly
+    originals = [mem.kv.get(fid) for fid in ids]
     rng = random.Random(seed)
-    plan = [(rng.sample(ids, k), rng.choice(questions)) for _ in range(prompts)]
-    text_k1 = [_first(mem, q, [fid], "text") for fid, q in zip(k1_ids, QUESTIONS)]
-    text = [_first(mem, q, chosen, "text") for chosen, q in tqdm(plan, desc="text prefill", unit="prompt")]
+    plan = [(rng.sample(range(len(FACTS), len(ids)), k), rng.choice(questions)) for _ in range(prompts)]
+    k1_plan = list(zip(range(len(FACTS)), QUESTIONS))
+    text_k1 = [_first(mem, USER, q, [ids[i]], "text") for i, q in k1_plan]
+    text = [_first(mem, USER, q, [ids[i] for i in chosen], "text")
+            for chosen, q in tqdm(plan, desc="text prefill", unit="prompt")]
     rows = {}
     for codec in CODECS:  # none first: the lossless reference for the others
-        _recode(mem, originals, codec)
-        mem.chat(QUESTIONS[0], user_id=USER, fact_ids=ids[:k], mode="kv", max_tokens=1)  # warm the hot cache
-        k1 = [_first(mem, q, [fid], "kv") for fid, q in zip(k1_ids, QUESTIONS)]
+        # A user of its own per codec: same prompt tokens, but vLLM's prefix cache (salted per
+        # user) cannot hand one codec the blocks another codec's injection left behind.
+        user, own = _recoded_copy(mem, texts, originals, codec)
+        k1 = [_first(mem, user, q, [own[i]], "kv") for i, q in k1_plan]
         kv, ttft = [], []
         for chosen, q in tqdm(plan, desc=f"kv {codec}", unit="prompt"):
-            r = mem.chat(q, user_id=USER, fact_ids=chosen, mode="kv", max_tokens=1)
+            r = mem.chat(q, user_id=user, fact_ids=[own[i] for i in chosen], mode="kv", max_tokens=1)
             kv.append(r.first_logprobs)
             ttft.append(r.ttft_s)
         rows[codec] = _row(codec, originals, text_k1, k1, text, kv, rows.get("none", {}).get("_kv", kv), ttft)
-    _recode(mem, originals, "none")
-    mem.delete_all(user_id=USER)
+    for user in users:
+        mem.delete_all(user_id=user)
     for row in rows.values():
         row.pop("_kv")
     return {"bench": "codecs", "model": mem.model.path.name, "prompts": prompts, "k": k, "seed": seed,
             "conversations": list(TUNING), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "codecs": rows}
 
 
-def _first(mem, q: str, fact_ids: list[str], mode: str) -> dict[int, float]:
-    return mem.chat(q, user_id=USER, fact_ids=fact_ids, mode=mode, max_tokens=1).first_logprobs
+def _first(mem, user: str, q: str, fact_ids: list[str], mode: str) -> dict[int, float]:
+    return mem.chat(q, user_id=user, fact_ids=fact_ids, mode=mode, max_tokens=1).first_logprobs
 
 
-def _recode(mem, originals: dict[str, KVBlob], codec: str) -> None:
-    for blob in originals.values():
-        mem.kv.put(KVBlob(blob.fact_id, blob.fingerprint, blob.token_ids, encode(blob.key, codec),
+def _recoded_copy(mem, texts: list[str], originals: list[KVBlob], codec: str) -> tuple[str, list[str]]:
+    """The facts again, for a user of this codec's own, with the original KV re-coded."""
+    user = f"{USER}-{codec}"
+    own = list(mem.add(facts=texts, user_id=user, encode="none").ids)
+    for fact_id, blob in zip(own, originals):
+        mem.kv.put(KVBlob(fact_id, blob.fingerprint, blob.token_ids, encode(blob.key, codec),
                           encode(blob.value, codec), blob.key_position))
+    mem.chat(QUESTIONS[0], user_id=user, fact_ids=own[:3], mode="kv", max_tokens=1)  # warm-up, not timed
+    return user, own
 
 
 def _row(codec, originals, text_k1, k1, text, kv, lossless, ttft) -> dict:
-    tokens = sum(b.num_tokens for b in originals.values())
-    nbytes = sum(encode(b.key, codec).nbytes + encode(b.value, codec).nbytes for b in originals.values())
+    tokens = sum(b.num_tokens for b in originals)
+    nbytes = sum(encode(b.key, codec).nbytes + encode(b.value, codec).nbytes for b in originals)
     return {
         "bytes_per_token": nbytes / tokens,
         "k1_max_gap": max(logprob_gap(t, x) for t, x in zip(text_k1, k1)),

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmem.errors import InvalidInputError, KvmemError
+from kvmem.errors import IndexFileError, InvalidInputError
 from kvmem.index.base import Hit, VectorIndex
 from kvmem.index.checks import check_ids, check_metadatas, check_scope, unit_query, unit_rows
 from kvmem.index.exact import top_k
@@ -31,10 +31,6 @@ from kvmem.index.rwlock import RWLock
 from kvmem.index.vamana import GraphParams, VamanaGraph
 
 FORMAT = "kvmem-graph-index/1"
-
-
-class IndexFileError(KvmemError):
-    """A saved index that cannot be read: missing, truncated, or not written by this version."""
 
 
 @dataclass(frozen=True)

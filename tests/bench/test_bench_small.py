@@ -27,12 +27,13 @@ def test_ttft_bench_tiny(mem, tmp_path, locomo_path):
     for row in result["rows"]:
         assert row["ratio_median"] > 0 and row["text"]["n"] == row["kv"]["n"] == row["cached"]["n"] == 2
         assert row["text"]["median"] <= row["text"]["p90"] and row["kv_over_cached"] > 0
+        assert row["facts_hit"]["n"] == 2 and row["kv_over_facts_hit"] > 0
         assert 0 < row["ratio_ci"][1] <= row["ratio_median"] <= row["ratio_ci"][2]
     assert result["kv_growth_max_k_over_k0"] > 0 and result["cached_growth_max_k_over_k0"] > 0
     assert result["kv_growth_ci"][0] == result["kv_growth_max_k_over_k0"]
     assert result["rows"][1]["prompt_tokens"] > result["rows"][0]["prompt_tokens"]
     assert (tmp_path / "ttft.png").stat().st_size > 0 and json.loads((tmp_path / "ttft.json").read_text())
-    assert "| 5 |" in text and "prefix-cache hit" in text
+    assert "| 5 |" in text and "prefix-cache hit" in text and "kv/facts hit" in text
 
 
 def test_load_bench_tiny(mem, tmp_path, locomo_path):
@@ -90,5 +91,7 @@ def test_codecs_bench_compares_every_codec_against_the_lossless_blobs(mem, tmp_p
     assert none["bytes_per_token"] == mem.model.kv_bytes_per_token("none")
     assert rows["int4"]["bytes_per_token"] < rows["int8"]["bytes_per_token"] < none["bytes_per_token"] / 1.9
     assert all(0 <= r["k10_top1_agree_vs_text"] <= 1 and r["kv_ttft_median_s"] > 0 for r in rows.values())
+    # Each codec really injected its own blobs (no prefix-cache hit on another codec's blocks).
+    assert len({r["k10_mean_kl_vs_lossless"] for r in rows.values()}) == 4
     assert "int4" in codecs.report(result, tmp_path / "codecs") and (tmp_path / "codecs.json").exists()
-    assert mem.get_all(user_id=codecs.USER) == []
+    assert all(mem.get_all(user_id=u) == [] for u in [codecs.USER] + [f"{codecs.USER}-{c}" for c in rows])

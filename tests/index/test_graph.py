@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from kvmem.errors import InvalidInputError
+from kvmem.errors import IndexFileError, InvalidInputError
 from kvmem.index import ExactIndex, VectorIndex
 from kvmem.index import graph as graph_module
-from kvmem.index.graph import GraphIndex, GraphIndexConfig, IndexFileError
+from kvmem.index.graph import GraphIndex, GraphIndexConfig
 from kvmem.index.rabitq import RaBitQ, estimate, prepare_query
 from kvmem.index.vamana import GraphParams
 
