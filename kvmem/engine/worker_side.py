@@ -168,9 +168,10 @@ class WorkerSide:
             first = -1 if blob.key_position is None else blob.key_position + span.src
             src[start:end] = torch.arange(first, first + span.length) if first >= 0 else -1
             start = end
-        staged = dict(zip(names, parts))
-        return _Staged(codec, slot_buf, {k: v for (r, k), v in staged.items() if r == "keys"},
-                       {k: v for (r, k), v in staged.items() if r == "values"}, src, positions)
+        by_role = {"keys": {}, "values": {}}
+        for (role, name), buf in zip(names, parts):
+            by_role[role][name] = buf
+        return _Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions)
 
     def wait_layer(self, layer_name: str) -> None:
         """Called before a layer's attention: its injected K/V must be in the cache by then."""
