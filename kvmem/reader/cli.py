@@ -1,0 +1,81 @@
+"""`kvmem tune-reader`: train the reader adapter for the configured model, then measure it on
+conversations it never saw. Needs no engine (PyTorch only); minutes on a CPU for the bundled model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from kvmem.bench import locomo
+from kvmem.reader.train import TUNE_CONVERSATIONS
+
+REPORT_CONVERSATIONS = ("conv-42", "conv-43", "conv-44", "conv-47")
+
+
+def _ids(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tune-reader", help="train the reader adapter (LoRA on q_proj) by distilling text prefill",
+                       description=__doc__)
+    p.add_argument("--data", type=Path, default=locomo.DEFAULT_PATH, help="LoCoMo JSON (read by path, never copied)")
+    p.add_argument("--conversations", type=_ids, default=TUNE_CONVERSATIONS,
+                   help=f"training conversations (default: {','.join(TUNE_CONVERSATIONS)})")
+    p.add_argument("--eval-conversations", type=_ids, default=REPORT_CONVERSATIONS,
+                   help=f"held-out conversations to measure on; '' for none (default: {','.join(REPORT_CONVERSATIONS)})")
+    p.add_argument("--limit", type=int, default=0, help="training questions per conversation; 0 for all (default)")
+    p.add_argument("--eval-limit", type=int, default=20, help="held-out questions per conversation (default: 20)")
+    p.add_argument("-k", type=int, default=10, help="facts per chat (default: 10)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--reply-tokens", type=int, default=16, help="teacher reply length distilled (default: 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None,
+                   help="adapter folder (default: <home>/adapters/<model fingerprint>, which serving picks up)")
+    p.add_argument("--results", type=Path, default=None, help="results JSON (default: docs/results/reader.json)")
+    p.set_defaults(func=cmd_tune_reader)
+
+
+def cmd_tune_reader(args: argparse.Namespace, config) -> int:
+    from kvmem.reader import adapters, lora
+    from kvmem.reader.examples import locomo_examples
+    from kvmem.reader.train import TuneConfig, eos_ids, evaluate, load_model, tune
+    from kvmem.service import KVMem
+
+    overlap = set(args.conversations) & set(args.eval_conversations)
+    if overlap:
+        raise SystemExit(f"kvmem tune-reader: {sorted(overlap)} would be trained on and evaluated on")
+    cfg = TuneConfig(rank=args.rank, lr=args.lr, epochs=args.epochs, reply_tokens=args.reply_tokens, seed=args.seed)
+    with KVMem(config, start_engine=False, background=False) as mem:
+        train = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, limit=args.limit or None,
+                                                 seed=args.seed)]
+        held = [ex for _, ex in locomo_examples(mem, args.data, args.eval_conversations, k=args.k,
+                                                limit=args.eval_limit or None, seed=args.seed)] if args.eval_conversations else []
+        model_info, eos = mem.model, eos_ids(mem.prompts.tokenizer)
+    out = args.out or adapters.user_folder(config.home, model_info.fingerprint)
+    model = load_model(model_info.path)
+    meta = {"fingerprint": model_info.fingerprint, "model": str(model_info.path),
+            "conversations": list(args.conversations), "k": args.k, "trained_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    report = tune(model, train, eos, out, cfg, meta)
+    print(f"adapter: {out} ({report.steps} steps, {report.seconds / 60:.1f} min); "
+          f"KL over the first tenth {report.first_loss:.4f}, last tenth {report.last_loss:.4f}")
+    result = {"command": "kvmem tune-reader " + " ".join(f"{k}={v}" for k, v in vars(args).items() if k != "func"),
+              "train_conversations": list(args.conversations), "train_examples": len(train),
+              "tune": {**cfg.__dict__}, "steps": report.steps, "seconds": round(report.seconds, 1),
+              "loss_first_tenth": report.first_loss, "loss_last_tenth": report.last_loss}
+    if held:
+        wrapped = [(n, m) for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
+        result["eval_conversations"] = list(args.eval_conversations)
+        result["eval_examples"] = len(held)
+        result["eval"] = evaluate(model, wrapped, held, eos, args.reply_tokens)
+        for name, row in result["eval"].items():
+            print(f"{name:12s} " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()))
+    path = args.results or Path("docs/results/reader.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"results: {path}")
+    return 0

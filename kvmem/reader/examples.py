@@ -1,0 +1,39 @@
+"""Chats to measure and train the reader on: LoCoMo questions with their retrieved facts,
+tokenized piece by piece exactly as a KV-mode chat would be."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvmem.reader.lab import Example
+
+
+def from_records(prompts, records, messages: list[dict]) -> Example:
+    """The Example a chat over these fact records (in prompt order) would be served as."""
+    tokens = prompts.fact_tokens_many([r.text for r in records]) if records else []
+    prompt = prompts.chat([(r.id, t) for r, t in zip(records, tokens)], messages)
+    head = prompt.token_ids[: len(prompts.head_ids)]
+    facts = tuple((prompts.context_tokens(r.context), t) for r, t in zip(records, tokens))
+    return Example(head, facts, prompt.token_ids[prompt.memory_tokens :])
+
+
+def locomo_examples(mem, data: Path, conversations: tuple[str, ...], *, k: int = 10, memory: str = "observations",
+                    limit: int | None = None, seed: int = 0) -> list[tuple[str, Example]]:
+    """(question key, Example) for each sampled question of these conversations, retrieved as
+    `kvmem eval locomo` retrieves (same memory, same ranking). `mem` needs no engine."""
+    from kvmem.bench import locomo
+    from kvmem.bench.eval_locomo import EvalConfig, build_memory, retrieve
+
+    cfg = EvalConfig(data=Path(data), conversations=conversations, k=k, memory=memory, limit=limit, seed=seed)
+    out = []
+    for conv in locomo.load(cfg.data):
+        if conv["sample_id"] not in conversations:
+            continue
+        user = build_memory(mem, conv, cfg, encode=False)
+        for i, q in locomo.sample_questions(conv, limit, seed):
+            records = retrieve(mem, user, q, cfg)
+            out.append((f"{conv['sample_id']}#{i}", from_records(mem.prompts, records, [{"role": "user", "content": q["question"]}])))
+    missing = set(conversations) - {key.split("#")[0] for key, _ in out}
+    if missing:
+        raise ValueError(f"conversations {sorted(missing)} are not in {data} (or have no questions)")
+    return out

@@ -1,0 +1,202 @@
+"""KV mode rebuilt in PyTorch (transformers), to measure and train the reader without vLLM.
+
+kvmem serves a chat as [head][fact_1..fact_k][tail]: the head's KV and each fact's KV come from
+blobs, each fact encoded on its own as [head][context][fact] and its keys moved by RoPE to the
+position the fact takes in the chat; only the tail is computed. `memory_cache` builds that same
+cache from a Hugging Face model, and `Layout` names the variants the diagnosis compares
+(where each fact is encoded, and after what).
+
+Keys in a transformers cache are stored rotated, as in vLLM's, so moving a fact from encoding
+position p to serving position q is one more rotation by q - p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmem.errors import UnsupportedConfigError
+
+
+@dataclass(frozen=True)
+class Example:
+    """One chat as kvmem serves it: token ids per piece, in prompt order."""
+
+    head: tuple[int, ...]
+    facts: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (context tokens, fact tokens)
+    tail: tuple[int, ...]
+
+    @property
+    def memory_ids(self) -> tuple[int, ...]:
+        return self.head + tuple(t for _, fact in self.facts for t in fact)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.memory_ids + self.tail
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How each fact's KV is computed before it is placed after the others.
+
+    prefix: "head" (what kvmem does: the chat's head, then the fact's context window) or
+    "sink" (only the head's first token, a neutral separator that still gives attention a sink).
+    moved: True = encoded right after its prefix, keys moved to the serving position (kvmem);
+    False = encoded at its true serving position (a gap in positions after the prefix).
+    """
+
+    prefix: str = "head"
+    moved: bool = True
+
+
+KVMEM = Layout()
+
+
+def rotary(model):
+    rope = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rope is None:
+        raise UnsupportedConfigError(f"{type(model).__name__} has no single rotary embedding (model.model.rotary_emb)")
+    return rope
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def move_keys(model, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """keys [b, heads, n, d] rotated at p -> rotated at p + delta; delta [b, n] ints."""
+    cos, sin = rotary(model)(keys, delta)  # [b, n, d] each
+    cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
+    return keys * cos + _rotate_half(keys) * sin
+
+
+def _kv_of(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    entry = cache.layers[layer]
+    return entry.keys, entry.values
+
+
+@torch.no_grad()
+def _forward_cache(model, ids: torch.Tensor, positions: torch.Tensor):
+    out = model.model(input_ids=ids, position_ids=positions, use_cache=True)
+    return out.past_key_values
+
+
+def memory_cache(model, ex: Example, layout: Layout = KVMEM, facts: "FactKV | None" = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) [1, kv_heads, len(memory_ids), d] for [head][facts], built as `layout` says.
+
+    `facts` remembers each fact's encoded KV (moved layouts only: there it does not depend on
+    where the fact is served), so a fact shared by many examples is encoded once."""
+    n_layers = model.config.num_hidden_layers
+    head = torch.tensor([ex.head])
+    head_cache = _forward_cache(model, head, torch.arange(len(ex.head))[None])
+    layers = [list(_kv_of(head_cache, i)) for i in range(n_layers)]
+    if not ex.facts:
+        return [tuple(kv) for kv in layers]
+    encoded = facts.get(model, ex) if facts is not None and layout.moved else encode_facts(model, ex, layout)
+    at = len(ex.head)
+    for fact_layers, (_, fact) in zip(encoded, ex.facts):
+        for i, (k, v) in enumerate(fact_layers):  # k, v: [1, kv_heads, len(fact), d] at its encoding positions
+            if layout.moved:
+                k = move_keys(model, k, torch.full((1, len(fact)), at - fact_layers.start))
+            layers[i][0] = torch.cat([layers[i][0], k], dim=2)
+            layers[i][1] = torch.cat([layers[i][1], v], dim=2)
+        at += len(fact)
+    return [tuple(kv) for kv in layers]
+
+
+class _Encoded(list):
+    """One fact's per-layer (k, v), with the position its first token was encoded at."""
+
+    start: int = 0
+
+
+def encode_facts(model, ex: Example, layout: Layout) -> list[_Encoded]:
+    """Each fact's KV as its layout computes it: all facts in one padded batch."""
+    rows, spans = _fact_rows(ex, layout)
+    width = max(len(r) for r, _ in rows)
+    ids = torch.tensor([r + (0,) * (width - len(r)) for r, _ in rows])  # padded on the right: causal, so harmless
+    pos = torch.tensor([p + tuple(range(p[-1] + 1, p[-1] + 1 + width - len(p))) for _, p in rows])
+    cache = _forward_cache(model, ids, pos)
+    out = []
+    for f, (start, length) in enumerate(spans):
+        enc = _Encoded(
+            (_kv_of(cache, i)[0][f : f + 1, :, start : start + length].clone(),
+             _kv_of(cache, i)[1][f : f + 1, :, start : start + length].clone())
+            for i in range(model.config.num_hidden_layers))
+        enc.start = int(pos[f, start])
+        out.append(enc)
+    return out
+
+
+class FactKV:
+    """Encoded facts remembered by (prefix, fact) tokens, for layouts that move keys afterwards."""
+
+    def __init__(self, layout: Layout = KVMEM) -> None:
+        self.layout = layout
+        self._kv: dict[tuple, _Encoded] = {}
+
+    def get(self, model, ex: Example) -> list[_Encoded]:
+        keys = [(ctx, fact) for ctx, fact in ex.facts]
+        missing = [i for i, key in enumerate(keys) if key not in self._kv]
+        if missing:
+            sub = Example(ex.head, tuple(ex.facts[i] for i in missing), ())
+            for i, enc in zip(missing, encode_facts(model, sub, self.layout)):
+                self._kv[keys[i]] = enc
+        return [self._kv[key] for key in keys]
+
+
+def _fact_rows(ex: Example, layout: Layout):
+    """Per fact: (encoding ids, their positions), and (its start, length) in the row."""
+    rows, spans = [], []
+    at = len(ex.head)
+    for context, fact in ex.facts:
+        prefix = (ex.head + context) if layout.prefix == "head" else ex.head[:1]
+        if layout.moved:
+            positions = tuple(range(len(prefix) + len(fact)))
+        elif len(prefix) > at:
+            raise ValueError("a fact's prefix is longer than the memory before it: it cannot sit at its true position")
+        else:
+            positions = tuple(range(len(prefix))) + tuple(range(at, at + len(fact)))
+        rows.append((prefix + fact, positions))
+        spans.append((len(prefix), len(fact)))
+        at += len(fact)
+    return rows, spans
+
+
+def as_cache(model, layers: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in layers], config=model.config)
+
+
+def reply_logits(model, ex: Example, reply: tuple[int, ...], layers=None) -> torch.Tensor:
+    """Logits [len(reply), vocab] predicting each reply token: after the memory `layers` built
+    (KV mode), or after text prefill of the whole prompt when layers is None."""
+    if layers is None:
+        ids = torch.tensor([ex.ids + reply[:-1]])
+        logits = model(input_ids=ids).logits[0]
+        return logits[len(ex.ids) - 1 :]
+    m = len(ex.memory_ids)
+    ids = torch.tensor([ex.tail + reply[:-1]])
+    positions = torch.arange(m, m + ids.shape[1])[None]
+    logits = model(input_ids=ids, position_ids=positions, past_key_values=as_cache(model, layers), use_cache=True).logits[0]
+    return logits[len(ex.tail) - 1 :]
+
+
+@torch.no_grad()
+def greedy_reply(model, ex: Example, max_tokens: int, eos: set[int]) -> tuple[int, ...]:
+    """The text-prefill model's own greedy continuation (the teacher's reply)."""
+    return teacher_reply(model, ex, max_tokens, eos)[0]
+
+
+@torch.no_grad()
+def teacher_reply(model, ex: Example, max_tokens: int, eos: set[int]) -> tuple[tuple[int, ...], torch.Tensor]:
+    """Text prefill's greedy reply and its logits [len(reply), vocab], each predicting its token
+    (from generation itself: one prefill, no second pass over the prompt)."""
+    out = model.generate(torch.tensor([ex.ids]), attention_mask=torch.ones(1, len(ex.ids), dtype=torch.long),
+                         max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(eos) or None,
+                         pad_token_id=min(eos, default=0), output_logits=True, return_dict_in_generate=True)
+    reply = tuple(out.sequences[0, len(ex.ids):].tolist())
+    return reply, torch.cat(out.logits, dim=0)[: len(reply)]

@@ -1,0 +1,67 @@
+"""KV mode rebuilt in PyTorch: the oracles it must meet before it can measure or train anything."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmem.reader.lab import KVMEM, FactKV, Layout, memory_cache, move_keys, reply_logits
+from tests.reader.conftest import FACTS
+
+
+def test_example_is_the_served_prompt(make_example, prompts):
+    ex = make_example()
+    assert ex.head == prompts.head_ids
+    assert [f for _, f in ex.facts] == prompts.fact_tokens_many(FACTS)
+    assert ex.ids[len(ex.memory_ids):] == ex.tail and len(ex.tail) > 0
+
+
+@torch.no_grad()
+def test_one_fact_in_kv_mode_is_text_prefill(hf_model, make_example):
+    """k=1, no context: the fact sits where it was encoded, so KV mode must equal text prefill."""
+    ex = make_example(FACTS[:1])
+    reply = (ex.tail[-1], ex.tail[-2], ex.tail[-3])  # any tokens: teacher-forced
+    text = reply_logits(hf_model, ex, reply)
+    kv = reply_logits(hf_model, ex, reply, memory_cache(hf_model, ex))
+    assert torch.allclose(text, kv, atol=1e-3), (text - kv).abs().max()
+
+
+@torch.no_grad()
+def test_moved_keys_equal_keys_encoded_there(hf_model, make_example):
+    """Layer 0's keys depend on the token and its position only: a fact encoded after the head and
+    moved must have exactly the keys of the same fact encoded at its serving position."""
+    ex = make_example(FACTS[:3])
+    moved = memory_cache(hf_model, ex, KVMEM)[0][0]
+    there = memory_cache(hf_model, ex, Layout("head", moved=False))[0][0]
+    assert moved.shape == there.shape == (1, hf_model.config.num_key_value_heads, len(ex.memory_ids),
+                                          hf_model.config.head_dim)
+    assert torch.allclose(moved, there, atol=1e-4), (moved - there).abs().max()
+
+
+@torch.no_grad()
+def test_move_there_and_back_is_identity(hf_model):
+    keys = torch.randn(1, 3, 5, hf_model.config.head_dim)
+    delta = torch.tensor([[7, 0, 130, 1, 4000]])
+    back = move_keys(hf_model, move_keys(hf_model, keys, delta), -delta)
+    assert torch.allclose(keys, back, atol=1e-4)
+
+
+@torch.no_grad()
+def test_remembered_facts_give_the_same_cache(hf_model, make_example):
+    facts = FactKV()
+    first = make_example(FACTS[:2])
+    memory_cache(hf_model, first, facts=facts)  # fills the memory for FACTS[0], FACTS[1]
+    ex = make_example(FACTS[1:4])  # FACTS[1] now served at another position
+    fresh = memory_cache(hf_model, ex)
+    remembered = memory_cache(hf_model, ex, facts=facts)
+    for (k1, v1), (k2, v2) in zip(fresh, remembered):
+        assert torch.allclose(k1, k2, atol=1e-5) and torch.equal(v1, v2)
+
+
+@torch.no_grad()
+def test_several_facts_read_apart_differ_from_text(hf_model, make_example):
+    """The gap the reader adapter exists for: with 4 independently encoded facts, KV mode is not text."""
+    ex = make_example()
+    reply = ex.tail[-3:]
+    text = reply_logits(hf_model, ex, reply)
+    kv = reply_logits(hf_model, ex, reply, memory_cache(hf_model, ex))
+    assert (text - kv).abs().max() > 1e-2

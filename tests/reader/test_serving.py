@@ -1,0 +1,64 @@
+"""Serving with a reader adapter: vLLM runs KV-mode chats with it, and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmem.config import Config, default_home
+from kvmem.engine.plan import ENCODE
+from kvmem.reader import adapters, lora
+
+FACTS = ["My sister adopted a puppy named Bruno.", "I live in Lisbon near the river.",
+         "I play the cello every Sunday morning."]
+
+
+@pytest.fixture(scope="module")
+def reader_mem(model_dir, tmp_path_factory):
+    from kvmem.model import resolve_model
+    from kvmem.reader.train import load_model
+    from kvmem.service import KVMem
+
+    home = tmp_path_factory.mktemp("reader-home")
+    info = resolve_model(None, default_home() / "models")
+    model = load_model(model_dir)
+    wrapped = lora.attach(model, rank=8, alpha=16.0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _, m in wrapped:
+            m.lora_B.normal_(0, 0.02)  # an adapter that visibly changes the reader
+    lora.save(wrapped, adapters.user_folder(home, info.fingerprint), rank=8, alpha=16.0, base_model=str(model_dir),
+              meta={"fingerprint": info.fingerprint})
+    mem = KVMem(Config(home=home, models_home=default_home() / "models"), background=False)
+    yield mem
+    mem.close()
+
+
+def test_only_kv_mode_chats_read_with_the_adapter(reader_mem, monkeypatch):
+    mem = reader_mem
+    assert mem.engine.reader_adapter == adapters.user_folder(mem.config.home, mem.model.fingerprint)
+    sent = []
+    submit = mem.engine.submit
+
+    def recording(request, *args, **kwargs):  # the real engine, with a record of what it was sent
+        sent.append(request)
+        return submit(request, *args, **kwargs)
+
+    monkeypatch.setattr(mem.engine, "submit", recording)
+    ids = list(mem.add(facts=FACTS, user_id="reader").ids)
+    encodes = [r for r in sent if r.plan is not None and r.plan.op == ENCODE]
+    assert encodes and not any(r.reader for r in encodes)
+    q = "What is my sister's puppy called?"
+    kv = mem.chat(q, user_id="reader", fact_ids=ids, mode="kv", max_tokens=4)
+    plain = mem.chat(q, user_id="reader", fact_ids=ids, mode="kv", max_tokens=4, reader=False)
+    text = mem.chat(q, user_id="reader", fact_ids=ids, mode="text", max_tokens=4)
+    assert [r.reader for r in sent[-3:]] == [True, False, False]
+    # What vLLM itself reports: its output for the request names the LoRA it ran with.
+    assert (kv.reader_adapter, plain.reader_adapter, text.reader_adapter) == (True, False, False)
+    assert kv.injected_tokens > 0 and plain.injected_tokens == kv.injected_tokens
+    shared = set(kv.first_logprobs) & set(plain.first_logprobs)
+    assert shared and max(abs(kv.first_logprobs[t] - plain.first_logprobs[t]) for t in shared) > 1e-3
+    scored = mem.score(q, "Bruno", user_id="reader", fact_ids=ids, mode="kv")
+    scored_plain = mem.score(q, "Bruno", user_id="reader", fact_ids=ids, mode="kv", reader=False)
+    assert sent[-2].reader and not sent[-1].reader
+    assert scored != scored_plain

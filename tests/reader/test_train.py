@@ -1,0 +1,30 @@
+"""`kvmem tune-reader`'s loop: the distillation loss falls on a tiny run, and the adapter it saves loads."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmem.reader import lora
+from kvmem.reader.train import TuneConfig, load_model, tune
+from tests.reader.conftest import FACTS
+
+
+def test_loss_falls_and_adapter_is_saved(model_dir, make_example, eos, tmp_path):
+    examples = [make_example(FACTS, "What is my sister's puppy called?"),
+                make_example(FACTS[::-1], "Which instrument do I play?")]
+    model = load_model(model_dir)
+    out = tmp_path / "adapter"
+    cfg = TuneConfig(rank=4, lr=1e-3, epochs=5, reply_tokens=6, checkpoint_every=3)
+    report = tune(model, examples, eos, out, cfg, {"fingerprint": "f" * 64}, progress=False)
+    losses = lora.read_meta(out)["losses"]
+    assert report.steps == len(losses) == 10
+    first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
+    assert last < 0.7 * first, losses
+    assert not (tmp_path / "adapter.work").exists()  # work (teacher targets, checkpoint) removed on success
+    fresh = load_model(model_dir)
+    wrapped = lora.attach(fresh, rank=4, alpha=cfg.alpha)
+    lora.load_into(wrapped, out)
+    assert all(m.lora_B.abs().max() > 0 for _, m in wrapped)
+    ids = torch.tensor([examples[0].ids])
+    with torch.no_grad():
+        assert torch.allclose(fresh(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
