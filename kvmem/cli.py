@@ -363,8 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP server: OpenAI-compatible chat with memory and a Mem0-shaped memory API "
                         "(kvmem serve --help)")
     from kvmem.bench import cli as bench_cli
+    from kvmem.reader import cli as reader_cli
 
     bench_cli.add_parsers(sub)
+    reader_cli.add_parser(sub)
     return parser
 
 

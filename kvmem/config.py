@@ -49,10 +49,13 @@ class KVConfig:
       fact served where it was encoded is exact); "fp8" and "int8" are ~1.9x smaller, "int4"
       ~3.6x, each decoded at injection (fidelity per codec: docs/benchmarks.md).
     hot_cache_mib: in-memory cache of decoded blobs, per process.
+    reader_adapter: "auto" | "off" | a folder: the LoRA on the query projections that KV-mode
+      chats read injected facts with (kvmem/reader/adapters.py; `kvmem tune-reader` trains one).
     """
 
     codec: str = "none"
     hot_cache_mib: int = 512
+    reader_adapter: str = "auto"
 
     def __post_init__(self) -> None:
         from kvmem.kv.codec import check_codec
@@ -142,7 +145,8 @@ class Config:
             load_format=os.environ.get("KVMEM_LOAD_FORMAT", EngineConfig.load_format),
             enforce_eager=_tristate(os.environ.get("KVMEM_ENFORCE_EAGER", "")),
         )
-        kv = KVConfig(codec=os.environ.get("KVMEM_KV_CODEC", KVConfig.codec))
+        kv = KVConfig(codec=os.environ.get("KVMEM_KV_CODEC", KVConfig.codec),
+                      reader_adapter=os.environ.get("KVMEM_READER_ADAPTER", KVConfig.reader_adapter))
         return replace(cls(engine=engine, kv=kv), **overrides)
 
 

@@ -53,3 +53,7 @@ class UnsupportedConfigError(EngineError):
 class RequestCancelled(KvmemError):
     """The caller cancelled a request before its answer (e.g. the HTTP client went away); the
     engine aborted it and freed its KV blocks."""
+
+
+class AdapterError(KvmemError):
+    """A reader adapter folder is missing, unreadable, or made for another model."""

@@ -40,3 +40,4 @@ class ChatResult:
     retrieval_s: float = 0.0
     token_ids: tuple[int, ...] = ()
     first_logprobs: dict[int, float] = field(default_factory=dict)
+    reader_adapter: bool = False  # the engine read this chat with the reader adapter (KV mode only)

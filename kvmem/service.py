@@ -262,7 +262,7 @@ class KVMem:
     def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
              run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,
              mode: str = "kv", max_tokens: int = 64, logprobs: int | None = 20,
-             cancel: threading.Event | None = None) -> ChatResult:
+             cancel: threading.Event | None = None, reader: bool = True) -> ChatResult:
         """Answer the conversation with the user's top-k facts for its last user message.
 
         Facts go into the prompt in the order they were stored (conversation order), not by
@@ -270,10 +270,12 @@ class KVMem:
         the prompt closest to what each fact's KV was computed with, and helps questions about
         time. `fact_ids` skips retrieval and uses exactly those facts, in that order.
         Thread-safe: concurrent chats are batched by the engine. Setting `cancel` (from another
-        thread) aborts the generation and raises RequestCancelled.
+        thread) aborts the generation and raises RequestCancelled. KV mode reads with the reader
+        adapter when the engine has one; `reader=False` reads without it (for measuring it).
         """
         facts, request, retrieval_s = self._prepare(messages, user_id, agent_id, run_id, k, filters, fact_ids,
                                                     mode, max_tokens, logprobs)
+        request = replace(request, reader=request.reader and reader)
         (result,) = self._need_engine().run([request], cancel=cancel)
         return self._finish(result, facts, mode, user_id, retrieval_s)
 
@@ -291,8 +293,9 @@ class KVMem:
             yield item if isinstance(item, str) else self._finish(item, facts, mode, user_id, retrieval_s)
 
     def score(self, messages: str | list[dict], answer: str, *, user_id: str, fact_ids: list[str],
-              mode: str = "kv") -> list[float]:
-        """Teacher forcing: the logprob of each token of `answer` as the reply, with these facts."""
+              mode: str = "kv", reader: bool = True) -> list[float]:
+        """Teacher forcing: the logprob of each token of `answer` as the reply, with these facts
+        (read as `chat` reads them, `reader` included)."""
         if not isinstance(answer, str) or not answer.strip():
             raise InvalidInputError("answer must be a non-empty string")
         check_unicode("answer", answer)
@@ -301,7 +304,7 @@ class KVMem:
         # A salt of its own: a cached block must never cover the answer, whose positions would then
         # carry no logprobs. Injection does not depend on the salt, so kv mode still injects.
         scored = replace(request, token_ids=request.token_ids + answer_ids, score_last=len(answer_ids),
-                         salt=f"{request.salt}:score:{uuid.uuid4().hex}")
+                         salt=f"{request.salt}:score:{uuid.uuid4().hex}", reader=request.reader and reader)
         (result,) = self._need_engine().run([scored])
         self._finish(result, facts, mode, user_id, 0.0)
         return list(result.scored)
@@ -331,7 +334,9 @@ class KVMem:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}")
         plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
-        return facts, EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs), retrieval_s
+        # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
+        request = EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs, reader=mode == "kv")
+        return facts, request, retrieval_s
 
     def _check_fits(self, messages: list[dict]) -> None:
         """Refuse a conversation too long to fit before tokenizing it (megabytes take seconds)."""
@@ -371,6 +376,7 @@ class KVMem:
             latency_s=r.latency_s, prompt_tokens=r.prompt_tokens, injected_tokens=c.get("claimed_tokens", 0),
             cached_tokens=r.cached_tokens - c.get("claimed_tokens", 0), fallbacks=c.get("facts_as_text", 0),
             fallback_reasons=reasons, retrieval_s=retrieval_s, token_ids=r.token_ids, first_logprobs=r.first_logprobs,
+            reader_adapter=r.adapter,
         )
 
     def _requeue(self, reasons: dict[str, str]) -> None:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvmem.config import Config, default_home
+from kvmem.config import Config, KVConfig, default_home
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +36,10 @@ def locomo_path(tmp_path_factory):
 def mem(model_dir, tmp_path_factory):
     from kvmem.service import KVMem
 
-    # Models are converted once into the shared cache; KV blobs go to a fresh folder.
-    config = Config(home=tmp_path_factory.mktemp("kvmem-home"), models_home=default_home() / "models")
+    # Models are converted once into the shared cache; KV blobs go to a fresh folder. No reader
+    # adapter: these tests check injection itself (k=1 exact); tests/reader/ starts one with it.
+    config = Config(home=tmp_path_factory.mktemp("kvmem-home"), models_home=default_home() / "models",
+                    kv=KVConfig(reader_adapter="off"))
     logging.getLogger("kvmem").setLevel(logging.INFO)
     # No background encoder here: tests that need one open their own KVMem on this engine.
     client = KVMem(config, background=False)

@@ -1,4 +1,4 @@
-"""`kvmem bench ttft|load|oracle|codecs|ann` and `kvmem eval locomo`: argument parsing and report writing."""
+"""`kvmem bench ttft|load|oracle|codecs|reader|ann` and `kvmem eval locomo`: argument parsing and report writing."""
 
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ def add_parsers(sub) -> None:
     cd.add_argument("--prompts", type=int, default=60, help="k=10 prompts per codec (default: 60)")
     _common(cd, "codecs")
     cd.set_defaults(func=cmd_codecs)
+    rd = bench.add_parser("reader", help="where KV mode's answers part from text prefill: positions, header, "
+                                         "cross-fact attention (PyTorch, no engine)")
+    rd.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x),
+                    default=("conv-26", "conv-30", "conv-41"), help="comma-separated sample ids (default: the tuning ones)")
+    rd.add_argument("--limit", type=int, default=15, help="questions per conversation (default: 15)")
+    rd.add_argument("-k", type=int, default=10)
+    _common(rd, "reader")
+    rd.set_defaults(func=cmd_reader)
     a = bench.add_parser("ann", help="graph index vs faiss HNSW / IVF-RaBitQ, hnswlib, exact scan (clustered data)")
     a.add_argument("-n", type=int, default=100_000, help="base vectors (default: 100000)")
     a.add_argument("--dim", type=int, default=384)
@@ -77,9 +85,14 @@ def _common(p, name: str) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _open(config):
+def _open(config, *, reader: bool = True):
+    """reader=False: no reader adapter, for benches of injection itself (oracle, codecs)."""
+    from dataclasses import replace
+
     from kvmem.service import KVMem
 
+    if not reader:
+        config = replace(config, kv=replace(config.kv, reader_adapter="off"))
     return KVMem(config, background=False)
 
 
@@ -105,7 +118,7 @@ def cmd_load(args, config) -> int:
 def cmd_oracle(args, config) -> int:
     from kvmem.bench import oracle
 
-    with _open(config) as mem:
+    with _open(config, reader=False) as mem:
         result = oracle.run(mem)
     print(oracle.report(result, (args.out or RESULTS) / "oracle"))
     return 0
@@ -114,9 +127,33 @@ def cmd_oracle(args, config) -> int:
 def cmd_codecs(args, config) -> int:
     from kvmem.bench import codecs
 
-    with _open(config) as mem:
+    with _open(config, reader=False) as mem:
         result = codecs.run(mem, data=args.data, prompts=args.prompts, seed=args.seed)
     print(codecs.report(result, (args.out or RESULTS) / "codecs"))
+    return 0
+
+
+def cmd_reader(args, config) -> int:
+    import json
+
+    from kvmem.reader.examples import locomo_examples
+    from kvmem.reader.measure import LAYOUTS, diagnose
+    from kvmem.reader.train import eos_ids, load_model
+    from kvmem.service import KVMem
+
+    with KVMem(config, start_engine=False, background=False) as mem:
+        examples = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k,
+                                                    limit=args.limit or None, seed=args.seed)]
+        path, eos = mem.model.path, eos_ids(mem.prompts.tokenizer)
+    result = {"bench": "reader", "conversations": list(args.conversations), "limit_per_conversation": args.limit,
+              "k": args.k, "examples": len(examples), "reply_tokens": 16,
+              "layouts": diagnose(load_model(path), examples, eos, LAYOUTS)}
+    out = (args.out or RESULTS) / "reader-diagnosis.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    for name, row in result["layouts"].items():
+        print(f"{name:42s} " + "  ".join(f"{key} {value:.4f}" for key, value in row.items()))
+    print(f"results: {out}")
     return 0
 
 

@@ -55,11 +55,13 @@ class EvalConfig:
         return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}{ranking}"
 
 
-def build_memory(mem, conv: dict, cfg: EvalConfig) -> str:
-    """Store the conversation's memory under its own user; returns that user id."""
+def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True) -> str:
+    """Store the conversation's memory under its own user (and encode its KV); returns that user id."""
     user = f"locomo-{conv['sample_id']}-{cfg.memory}-w{cfg.window_size}"
     if not mem.get_all(user_id=user, limit=1):  # else stored by an earlier (maybe interrupted) run
         _store(mem, conv, cfg, user)
+    if not encode:
+        return user
     # Encoded for this model: facts stored under another model (same home) have no blob of ours.
     pending = [r for r in mem.get_all(user_id=user, limit=10_000) if r.kv_status != "encoded"]
     if pending:
@@ -99,31 +101,47 @@ def dia_ids_of(record) -> set[str]:
     return {f"D{record.metadata['session']}:{record.position + 1}"}
 
 
-def answer_question(mem, user: str, q: dict, cfg: EvalConfig) -> dict:
+def retrieve(mem, user: str, q: dict, cfg: EvalConfig) -> list:
+    """The question's top-k facts, in the order a chat places them (stored order)."""
     hits = mem.search(q["question"], user_id=user, k=cfg.k, ranking=cfg.ranking)
-    records = sorted((mem.get(h.id) for h in hits), key=lambda r: (r.created_at, r.position or 0, r.id))
+    return sorted((mem.get(h.id) for h in hits), key=lambda r: (r.created_at, r.position or 0, r.id))
+
+
+def answer_question(mem, user: str, q: dict, cfg: EvalConfig) -> dict:
+    records = retrieve(mem, user, q, cfg)
     ids = [r.id for r in records]
     found = set().union(*(dia_ids_of(r) for r in records)) if records else set()
     evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
     gold = str(q["answer"])
     row = {"question": q["question"], "answer": gold, "category": q["category"],
            "recall": len(evidence & found) / len(evidence) if evidence else None}
-    for mode in MODES:
-        r = mem.chat(q["question"], user_id=user, fact_ids=ids, mode=mode, max_tokens=cfg.max_tokens)
-        lls = mem.score(q["question"], gold, user_id=user, fact_ids=ids, mode=mode)
+    # With a reader adapter, "kv" reads with it and "kv_plain" is the same chat without it.
+    modes = MODES + (("kv_plain",) if mem.engine.reader_adapter else ())
+    for mode in modes:
+        engine_mode, reader = ("kv", False) if mode == "kv_plain" else (mode, True)
+        r = mem.chat(q["question"], user_id=user, fact_ids=ids, mode=engine_mode, max_tokens=cfg.max_tokens, reader=reader)
+        lls = mem.score(q["question"], gold, user_id=user, fact_ids=ids, mode=engine_mode, reader=reader)
         row[mode] = {"answer": r.answer, "f1": locomo_f1(r.answer, gold, q["category"]),
                      "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s, "first": {str(t): v for t, v in r.first_logprobs.items()}}
-    text_first = {int(t): v for t, v in row["text"]["first"].items()}
-    kv_first = {int(t): v for t, v in row["kv"]["first"].items()}
-    row["top1_agree"] = (max(text_first, key=text_first.get) == max(kv_first, key=kv_first.get)) if text_first and kv_first else None
-    row["kl_text_kv"] = top20_kl(text_first, kv_first)
+    for mode, suffix in (("kv", ""), ("kv_plain", "_plain")):
+        if mode in row:
+            row["top1_agree" + suffix], row["kl_text_kv" + suffix] = _first_token(row["text"]["first"], row[mode]["first"])
     return row
+
+
+def _first_token(text: dict, kv: dict) -> tuple[bool | None, float]:
+    """(same top-1 token, KL(text || kv) over text's top-20) of two first-token logprob dicts."""
+    text_first = {int(t): v for t, v in text.items()}
+    kv_first = {int(t): v for t, v in kv.items()}
+    agree = (max(text_first, key=text_first.get) == max(kv_first, key=kv_first.get)) if text_first and kv_first else None
+    return agree, top20_kl(text_first, kv_first)
 
 
 def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     # Per model: resuming must never pick up another model's answers from the same home.
-    log_path = out_dir / f"{cfg.name}.{mem.model.fingerprint[:12]}.jsonl"
+    reader = ".reader" if mem.engine.reader_adapter else ""  # with an adapter rows carry kv_plain too
+    log_path = out_dir / f"{cfg.name}.{mem.model.fingerprint[:12]}{reader}.jsonl"
     done = {json.loads(line)["key"] for line in log_path.open()} if log_path.exists() else set()
     convs = [c for c in locomo.load(cfg.data) if not cfg.conversations or c["sample_id"] in cfg.conversations]
     jobs = []

@@ -23,14 +23,26 @@ def _group(rows: list[dict]) -> dict:
     for mode in MODES:
         out[f"f1_{mode}"] = bootstrap_ci([r[mode]["f1"] for r in rows])
         out[f"ll_{mode}"] = bootstrap_ci([r[mode]["ll"] for r in rows])
-    out["f1_retention_kv"] = ratio_ci([r["kv"]["f1"] - r["off"]["f1"] for r in rows],
-                                      [r["text"]["f1"] - r["off"]["f1"] for r in rows])
-    out["ll_retention_kv"] = ratio_ci([r["kv"]["ll"] - r["off"]["ll"] for r in rows],
-                                      [r["text"]["ll"] - r["off"]["ll"] for r in rows])
-    out["top1_agree"] = bootstrap_ci([float(r["top1_agree"]) for r in rows if r["top1_agree"] is not None])
-    out["kl_text_kv"] = bootstrap_ci([r["kl_text_kv"] for r in rows])
+    out.update(_kv_fidelity(rows, "kv", ""))
+    if all("kv_plain" in r for r in rows):  # run with a reader adapter: kv without it, same questions
+        out["f1_kv_plain"] = bootstrap_ci([r["kv_plain"]["f1"] for r in rows])
+        out["ll_kv_plain"] = bootstrap_ci([r["kv_plain"]["ll"] for r in rows])
+        out.update(_kv_fidelity(rows, "kv_plain", "_plain"))
     out["recall_at_k"] = bootstrap_ci([r["recall"] for r in rows if r["recall"] is not None])
     return out
+
+
+def _kv_fidelity(rows: list[dict], mode: str, suffix: str) -> dict:
+    """Retention of text's gain over no memory, first-token agreement and KL, for one KV mode."""
+    return {
+        f"f1_retention_kv{suffix}": ratio_ci([r[mode]["f1"] - r["off"]["f1"] for r in rows],
+                                             [r["text"]["f1"] - r["off"]["f1"] for r in rows]),
+        f"ll_retention_kv{suffix}": ratio_ci([r[mode]["ll"] - r["off"]["ll"] for r in rows],
+                                             [r["text"]["ll"] - r["off"]["ll"] for r in rows]),
+        f"top1_agree{suffix}": bootstrap_ci([float(r["top1_agree" + suffix]) for r in rows
+                                             if r["top1_agree" + suffix] is not None]),
+        f"kl_text_kv{suffix}": bootstrap_ci([r["kl_text_kv" + suffix] for r in rows]),
+    }
 
 
 def _ci(t) -> str:
@@ -47,6 +59,13 @@ def markdown(summary: dict, title: str) -> str:
                      f"{_ci(g['f1_retention_kv'])} | "
                      f"{_ci(g['ll_text'])} | {_ci(g['ll_kv'])} | {_ci(g['ll_off'])} | {_ci(g['ll_retention_kv'])} | "
                      f"{_ci(g['top1_agree'])} | {_ci(g['kl_text_kv'])} | {_ci(g['recall_at_k'])} |")
+    if all("f1_kv_plain" in g for g in summary.values()):
+        lines += ["", "KV mode without the reader adapter, same questions and engine:", "",
+                  "| group | F1 kv plain | F1 retention | LL kv plain | LL retention | top-1 agree | KL(text‖kv) |",
+                  "|" + "---|" * 7]
+        lines += [f"| {name} | {_ci(g['f1_kv_plain'])} | {_ci(g['f1_retention_kv_plain'])} | {_ci(g['ll_kv_plain'])} | "
+                  f"{_ci(g['ll_retention_kv_plain'])} | {_ci(g['top1_agree_plain'])} | {_ci(g['kl_text_kv_plain'])} |"
+                  for name, g in summary.items()]
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvmem.config import Config
@@ -28,6 +29,8 @@ from kvmem.engine.support import take_refusal
 from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
+from kvmem.reader import adapters
+from kvmem.reader.lora import lora_rank
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class EngineRequest:
     plan: Plan | None = None
     logprobs: int | None = None  # top-n logprobs per generated token
     score_last: int = 0  # >0: return the logprobs of the last n prompt tokens (teacher forcing)
+    reader: bool = False  # read with the reader adapter (KV-mode chats), where the engine has one
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class EngineResult:
     connector: dict[str, Any] = field(default_factory=dict)  # the connector's accounting
     first_logprobs: dict[int, float] = field(default_factory=dict)
     scored: tuple[float, ...] = ()  # logprob of each of the last `score_last` prompt tokens
+    adapter: bool = False  # vLLM ran it with the reader adapter (its LoRA request)
 
 
 @dataclass
@@ -74,8 +79,10 @@ class Engine:
         ec = config.engine
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(ec.cpu_kv_space_gib))
         take_refusal(config.kv_dir)  # a stale one from an earlier start must not be blamed
+        self.reader_adapter = adapters.find(config.kv.reader_adapter, config.home, model.fingerprint)
+        self._lora = _lora_request(self.reader_adapter)
         try:
-            self._llm = _start_llm(model, config)
+            self._llm = _start_llm(model, config, self.reader_adapter)
         except Exception as e:  # noqa: BLE001 - vLLM raises many types while starting
             refusal = take_refusal(config.kv_dir)
             if refusal:
@@ -209,7 +216,8 @@ class Engine:
                 continue
             rid = uuid.uuid4().hex
             try:
-                self._engine.add_request(rid, _prompt(item.request), _sampling(item.request))
+                lora = self._lora if item.request.reader else None
+                self._engine.add_request(rid, _prompt(item.request), _sampling(item.request), lora_request=lora)
                 live[rid] = item
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
                 _fail(item.future, e)
@@ -266,7 +274,15 @@ def _fail(future: Future, error: BaseException) -> None:
         pass
 
 
-def _start_llm(model: ModelInfo, config: Config):
+def _lora_request(adapter: Path | None):
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest("kvmem-reader", 1, str(adapter))
+
+
+def _start_llm(model: ModelInfo, config: Config, adapter: Path | None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -283,10 +299,13 @@ def _start_llm(model: ModelInfo, config: Config):
             "hot_cache_mib": config.kv.hot_cache_mib,
         },
     )
+    # LoRA is switched on only with an adapter: on the CPU backend it also turns graph compilation off.
+    lora = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": lora_rank(adapter)} if adapter else {}
     return LLM(
         model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
         max_num_seqs=ec.max_num_seqs, enable_prefix_caching=True, kv_transfer_config=transfer, seed=ec.seed,
         gpu_memory_utilization=ec.gpu_memory_utilization, load_format=ec.load_format, enforce_eager=_eager(ec),
+        **lora,
     )
 
 
@@ -328,6 +347,7 @@ def _result(out, p: _Pending, done: float) -> EngineResult:
         connector=(out.kv_transfer_params or {}).get(KEY, {}),
         first_logprobs=logprobs,
         scored=_scored(out, p.request) if p.request.score_last else (),
+        adapter=getattr(out, "lora_request", None) is not None,
     )
 
 

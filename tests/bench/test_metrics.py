@@ -67,3 +67,20 @@ def test_median_ratio_interval_brackets_the_ratio_and_pairs_repetitions():
     assert lo < 10 < hi
     with pytest.raises(ValueError):
         median_ratio_ci([1.0], [1.0, 2.0], paired=True)
+
+
+def test_eval_report_puts_kv_without_the_reader_adapter_beside_kv_with_it():
+    from kvmem.bench.eval_report import markdown, summarize
+
+    def mode(f1, ll):
+        return {"f1": f1, "ll": ll}
+
+    rows = [{"category": 1, "recall": 1.0, "top1_agree": True, "kl_text_kv": 0.05, "top1_agree_plain": False,
+             "kl_text_kv_plain": 0.2, "text": mode(0.5, -1.0), "kv": mode(0.5, -1.0), "kv_plain": mode(0.3, -2.0),
+             "off": mode(0.1, -3.0)}] * 3
+    overall = summarize(rows)["overall"]
+    assert overall["f1_retention_kv"][0] == 1.0 and abs(overall["f1_retention_kv_plain"][0] - 0.5) < 1e-9
+    assert overall["ll_retention_kv_plain"][0] == 0.5 and overall["top1_agree_plain"][0] == 0.0
+    assert "KV mode without the reader adapter" in markdown(summarize(rows), "t")
+    assert "without the reader adapter" not in markdown(summarize([{k: v for k, v in rows[0].items()
+                                                                     if "plain" not in k}]), "t")
