@@ -30,7 +30,7 @@ from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
-from kvmem.reader.lora import lora_rank
+from kvmem.reader.lora import TARGET as LORA_TARGET, lora_rank
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +300,10 @@ def _start_llm(model: ModelInfo, config: Config, adapter: Path | None):
         },
     )
     # LoRA is switched on only with an adapter: on the CPU backend it also turns graph compilation off.
-    lora = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": lora_rank(adapter)} if adapter else {}
+    # Wrapping only the query projections keeps LoRA off lm_head, whose LoRA wrapper on vLLM's CPU
+    # backend fails on prompt logprobs (scoring) when several requests share a step.
+    lora = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": lora_rank(adapter),
+            "lora_target_modules": [LORA_TARGET]} if adapter else {}
     return LLM(
         model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
         max_num_seqs=ec.max_num_seqs, enable_prefix_caching=True, kv_transfer_config=transfer, seed=ec.seed,

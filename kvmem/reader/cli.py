@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -63,7 +65,7 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     report = tune(model, train, eos, out, cfg, meta)
     print(f"adapter: {out} ({report.steps} steps, {report.seconds / 60:.1f} min); "
           f"KL over the first tenth {report.first_loss:.4f}, last tenth {report.last_loss:.4f}")
-    result = {"command": "kvmem tune-reader " + " ".join(f"{k}={v}" for k, v in vars(args).items() if k != "func"),
+    result = {"command": "kvmem " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
               "train_conversations": list(args.conversations), "train_examples": len(train),
               "tune": {**cfg.__dict__}, "steps": report.steps, "seconds": round(report.seconds, 1),
               "loss_first_tenth": report.first_loss, "loss_last_tenth": report.last_loss}

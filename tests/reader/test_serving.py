@@ -62,3 +62,19 @@ def test_only_kv_mode_chats_read_with_the_adapter(reader_mem, monkeypatch):
     scored_plain = mem.score(q, "Bruno", user_id="reader", fact_ids=ids, mode="kv", reader=False)
     assert sent[-2].reader and not sent[-1].reader
     assert scored != scored_plain
+
+
+def test_scoring_several_kv_chats_at_once_with_the_adapter(reader_mem):
+    """Prompt logprobs of several adapter requests in one engine step (LoRA once broke on them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mem = reader_mem
+    ids = list(mem.add(facts=FACTS, user_id="reader-batch").ids)
+    questions = ["What is my sister's puppy called?", "Where do I live?", "What do I play on Sundays?",
+                 "What food do I like?"]
+    with ThreadPoolExecutor(4) as pool:
+        scored = list(pool.map(lambda q: mem.score(q, "Bruno the puppy", user_id="reader-batch", fact_ids=ids,
+                                                   mode="kv"), questions))
+    alone = mem.score(questions[0], "Bruno the puppy", user_id="reader-batch", fact_ids=ids, mode="kv")
+    assert all(len(s) == len(alone) for s in scored)
+    assert max(abs(a - b) for a, b in zip(scored[0], alone)) < 0.1  # batching must not change the reader
