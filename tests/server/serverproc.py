@@ -35,7 +35,10 @@ class ServerProc:
         self.bound = bound
         self.log = log
         self.loading: dict[str, httpx.Response] = {}  # responses seen while the engine loaded
-        env = {**os.environ, "KVMEM_SERVER_MAX_INFLIGHT": str(bound)}
+        # No reader adapter: these tests time chats against the server's graceful-shutdown window,
+        # and LoRA on vLLM's CPU backend slows every KV-mode decode step (docs/benchmarks.md);
+        # serving with the adapter is tested in tests/reader/test_serving.py.
+        env = {**os.environ, "KVMEM_SERVER_MAX_INFLIGHT": str(bound), "KVMEM_READER_ADAPTER": "off"}
         cmd = [sys.executable, "-m", "kvmem.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--data-dir", str(data_dir), "--config", str(config)]
         with open(log, "ab") as out:
