@@ -186,12 +186,6 @@ def reply_logits(model, ex: Example, reply: tuple[int, ...], layers=None) -> tor
 
 
 @torch.no_grad()
-def greedy_reply(model, ex: Example, max_tokens: int, eos: set[int]) -> tuple[int, ...]:
-    """The text-prefill model's own greedy continuation (the teacher's reply)."""
-    return teacher_reply(model, ex, max_tokens, eos)[0]
-
-
-@torch.no_grad()
 def teacher_reply(model, ex: Example, max_tokens: int, eos: set[int]) -> tuple[tuple[int, ...], torch.Tensor]:
     """Text prefill's greedy reply and its logits [len(reply), vocab], each predicting its token
     (from generation itself: one prefill, no second pass over the prompt)."""
