@@ -91,28 +91,27 @@ def memory_cache(model, ex: Example, layout: Layout = KVMEM, facts: "FactKV | No
     n_layers = model.config.num_hidden_layers
     head = torch.tensor([ex.head])
     head_cache = _forward_cache(model, head, torch.arange(len(ex.head))[None])
-    layers = [list(_kv_of(head_cache, i)) for i in range(n_layers)]
-    if not ex.facts:
-        return [tuple(kv) for kv in layers]
-    encoded = facts.get(model, ex) if facts is not None and layout.moved else encode_facts(model, ex, layout)
+    keys = [[_kv_of(head_cache, i)[0]] for i in range(n_layers)]
+    values = [[_kv_of(head_cache, i)[1]] for i in range(n_layers)]
+    if facts is not None and facts.layout != layout:
+        raise ValueError(f"facts were remembered for {facts.layout}, not {layout}")
+    encoded = (facts.get(model, ex) if facts is not None else encode_facts(model, ex, layout)) if ex.facts else []
     at = len(ex.head)
-    for fact_layers, (_, fact) in zip(encoded, ex.facts):
-        for i, (k, v) in enumerate(fact_layers):  # k, v: [1, kv_heads, len(fact), d] at its encoding positions
-            if layout.moved:
-                k = move_keys(model, k, torch.full((1, len(fact)), at - fact_layers.start))
-            layers[i][0] = torch.cat([layers[i][0], k], dim=2)
-            layers[i][1] = torch.cat([layers[i][1], v], dim=2)
+    for enc, (_, fact) in zip(encoded, ex.facts):
+        for i, (k, v) in enumerate(enc.layers):  # k, v: [1, kv_heads, len(fact), d] at its encoding positions
+            keys[i].append(move_keys(model, k, torch.full((1, len(fact)), at - enc.start)) if layout.moved else k)
+            values[i].append(v)
         at += len(fact)
-    return [tuple(kv) for kv in layers]
+    return [(torch.cat(k, dim=2), torch.cat(v, dim=2)) for k, v in zip(keys, values)]
 
 
-class _Encoded(list):
-    """One fact's per-layer (k, v), with the position its first token was encoded at."""
+@dataclass(frozen=True)
+class EncodedFact:
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v) [1, kv_heads, len(fact), d]
+    start: int  # the position its first token was encoded at
 
-    start: int = 0
 
-
-def encode_facts(model, ex: Example, layout: Layout) -> list[_Encoded]:
+def encode_facts(model, ex: Example, layout: Layout) -> list[EncodedFact]:
     """Each fact's KV as its layout computes it: all facts in one padded batch."""
     rows, spans = _fact_rows(ex, layout)
     width = max(len(r) for r, _ in rows)
@@ -121,24 +120,23 @@ def encode_facts(model, ex: Example, layout: Layout) -> list[_Encoded]:
     cache = _forward_cache(model, ids, pos)
     out = []
     for f, (start, length) in enumerate(spans):
-        enc = _Encoded(
-            (_kv_of(cache, i)[0][f : f + 1, :, start : start + length].clone(),
-             _kv_of(cache, i)[1][f : f + 1, :, start : start + length].clone())
-            for i in range(model.config.num_hidden_layers))
-        enc.start = int(pos[f, start])
-        out.append(enc)
+        layers = [tuple(t[f : f + 1, :, start : start + length].clone() for t in _kv_of(cache, i))
+                  for i in range(model.config.num_hidden_layers)]
+        out.append(EncodedFact(layers, int(pos[f, start])))
     return out
 
 
 class FactKV:
-    """Encoded facts remembered by (prefix, fact) tokens, for layouts that move keys afterwards."""
+    """Encoded facts remembered by (head, context, fact) tokens, for layouts that move keys afterwards."""
 
     def __init__(self, layout: Layout = KVMEM) -> None:
+        if not layout.moved:
+            raise ValueError("only facts whose keys are moved afterwards can be remembered")
         self.layout = layout
-        self._kv: dict[tuple, _Encoded] = {}
+        self._kv: dict[tuple, EncodedFact] = {}
 
-    def get(self, model, ex: Example) -> list[_Encoded]:
-        keys = [(ctx, fact) for ctx, fact in ex.facts]
+    def get(self, model, ex: Example) -> list[EncodedFact]:
+        keys = [(ex.head, ctx, fact) for ctx, fact in ex.facts]
         missing = [i for i, key in enumerate(keys) if key not in self._kv]
         if missing:
             sub = Example(ex.head, tuple(ex.facts[i] for i in missing), ())
