@@ -48,7 +48,13 @@ class KVConfig:
     codec: how blobs hold K and V (kv/codec.py): "none" keeps the cache's dtype bit for bit (a
       fact served where it was encoded is exact); "fp8" and "int8" are ~1.9x smaller, "int4"
       ~3.6x, each decoded at injection (fidelity per codec: docs/benchmarks.md).
-    hot_cache_mib: in-memory cache of decoded blobs, per process.
+    hot_cache_mib: the RAM tier: decoded blobs kept in the engine process (LRU), which the
+      scheduler fills when it checks a request's blobs, so the forward pass reads them from RAM.
+    disk_budget_mib: the disk tier's byte budget for fact blobs (None: unlimited). Past it, the
+      blobs of the least-used facts are evicted (kv/budget.py, LFU with dynamic aging); an
+      evicted fact is served by text prefill and re-encoded when chats use it enough.
+    tenant_quota_mib: the same, per user (None: unlimited); a user past it loses their own
+      least-used blobs, never another user's.
     reader_adapter: "auto" | "off" | a folder: the LoRA on the query projections that KV-mode
       chats read injected facts with (kvmem/reader/adapters.py; `kvmem tune-reader` trains one).
     """
@@ -56,11 +62,21 @@ class KVConfig:
     codec: str = "none"
     hot_cache_mib: int = 512
     reader_adapter: str = "auto"
+    disk_budget_mib: float | None = None
+    tenant_quota_mib: float | None = None
 
     def __post_init__(self) -> None:
         from kvmem.kv.codec import check_codec
 
         check_codec(self.codec)
+        for name in ("disk_budget_mib", "tenant_quota_mib"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"kv.{name} must be >= 0 or None (unlimited), got {value!r}")
+
+    @staticmethod
+    def mib_to_bytes(mib: float | None) -> int | None:
+        return None if mib is None else int(mib * (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,7 @@ class RetrievalConfig:
 class Config:
     home: Path = field(default_factory=default_home)
     models_home: Path | None = None  # where converted models live; default home/models
+    kv_root: Path | None = None  # where KV blobs live (e.g. a faster disk); default home/kv
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
     prompt: PromptConfig = PromptConfig()
@@ -130,7 +147,7 @@ class Config:
 
     @property
     def kv_dir(self) -> Path:
-        return self.home / "kv"
+        return self.kv_root or self.home / "kv"
 
     @classmethod
     def from_env(cls, **overrides) -> "Config":
@@ -146,8 +163,16 @@ class Config:
             enforce_eager=_tristate(os.environ.get("KVMEM_ENFORCE_EAGER", "")),
         )
         kv = KVConfig(codec=os.environ.get("KVMEM_KV_CODEC", KVConfig.codec),
-                      reader_adapter=os.environ.get("KVMEM_READER_ADAPTER", KVConfig.reader_adapter))
+                      reader_adapter=os.environ.get("KVMEM_READER_ADAPTER", KVConfig.reader_adapter),
+                      hot_cache_mib=int(os.environ.get("KVMEM_HOT_CACHE_MIB", KVConfig.hot_cache_mib)),
+                      disk_budget_mib=_mib_or_none(os.environ.get("KVMEM_KV_DISK_BUDGET_MIB", "")),
+                      tenant_quota_mib=_mib_or_none(os.environ.get("KVMEM_KV_TENANT_QUOTA_MIB", "")))
         return replace(cls(engine=engine, kv=kv), **overrides)
+
+
+def _mib_or_none(value: str) -> float | None:
+    """"" -> None (unlimited), else the number of MiB."""
+    return None if value == "" else float(value)
 
 
 def _tristate(value: str) -> bool | None:

@@ -36,8 +36,10 @@ def salt(purpose: str, user_id: str) -> str:
 
 
 class Encoder:
-    def __init__(self, engine, prompts, kv_store, fact_store, batch: int = 32, max_attempts: int = 3) -> None:
+    def __init__(self, engine, prompts, kv_store, fact_store, batch: int = 32, max_attempts: int = 3,
+                 on_encoded=None) -> None:
         self.engine = engine
+        self.on_encoded = on_encoded  # called with each record whose blob was written and recorded
         self.prompts = prompts
         self.kv = kv_store
         self.facts = fact_store
@@ -95,7 +97,9 @@ class Encoder:
         if current.text != encoded.text or current.context != encoded.context:
             return True  # updated meanwhile: still pending, the new text gets encoded next
         ok = self.blob_ok(encoded.id)
-        self.facts.set_kv_status(encoded.id, "encoded" if ok else "failed", if_text=encoded.text)
+        recorded = self.facts.set_kv_status(encoded.id, "encoded" if ok else "failed", if_text=encoded.text)
+        if ok and recorded and self.on_encoded is not None:
+            self.on_encoded(encoded)
         return ok
 
     # -- background ---------------------------------------------------------------------------

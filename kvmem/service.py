@@ -8,7 +8,9 @@
 
 Facts live in SQLite (text, metadata, history, vectors), vectors also in an in-memory index per
 user, KV blobs on disk. Writes store and index first, then encode; a fact without usable KV is
-served by text prefill and re-encoded in the background.
+served by text prefill and re-encoded in the background. With a disk budget or a per-user quota
+(KVConfig), the least-used blobs are evicted (kv/budget.py): their facts are served by text and
+come back when chats use them enough.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from kvmem.index import Hit, validate_filters
 from kvmem.index import fusion
 from kvmem.index.lexical import LexicalIndex
 from kvmem.index.tiered import TieredIndex
+from kvmem.config import KVConfig
+from kvmem.kv.budget import DiskBudget
 from kvmem.kv.store import KVStore
 from kvmem.model import resolve_model
 from kvmem.results import AddResult, ChatResult, SearchHit
@@ -58,14 +62,15 @@ class KVMem:
         self.embedder = embedder or default_embedder()
         self.index = TieredIndex(self.embedder.dim)  # exact scan; graph for scopes past 20k facts
         self.lexical = LexicalIndex()
+        self.budget = self._new_budget()
         self._write_lock = threading.RLock()  # keeps store, index and blobs in step
-        self.stats: Counter[str] = Counter()  # chats per mode, fallbacks
+        self.stats: Counter[str] = Counter()  # chats per mode, fallbacks, tier hits, evictions
         self._rebuild_index()
         self._owns_engine = engine is None and start_engine
         self.engine = engine if engine is not None else (self._start_engine() if start_engine else None)
-        self.encoder = Encoder(self.engine, self.prompts, self.kv, self.facts) if self.engine else None
+        self.encoder = Encoder(self.engine, self.prompts, self.kv, self.facts, on_encoded=self._admit) if self.engine else None
         if self.encoder:
-            self._requeue_bad_blobs()
+            self._check_blobs()
             if background:
                 self.encoder.start()
 
@@ -89,12 +94,37 @@ class KVMem:
             scope = Scope.from_key(scope_key)
             self.lexical.add(scope.user_id, [fact_id], [text], [_index_metadata(scope, metadata)])
 
-    def _requeue_bad_blobs(self) -> None:
+    def _new_budget(self) -> DiskBudget:
+        kv = self.config.kv
+        return DiskBudget(KVConfig.mib_to_bytes(kv.disk_budget_mib), KVConfig.mib_to_bytes(kv.tenant_quota_mib))
+
+    def _check_blobs(self) -> None:
         """At start-up, facts marked encoded whose blob is gone, truncated or another fact's
-        (a header check, no checksum) become pending, so kv_status tells the truth."""
+        (a header check, no checksum) become pending, so kv_status tells the truth; the intact
+        ones are counted against the disk budget (evicted now if it shrank)."""
         for record in self._all_records():
-            if record.kv_status == "encoded" and not self.kv.intact(record.id):
-                self.facts.set_kv_status(record.id, "pending")
+            if record.kv_status == "encoded":
+                if self.kv.intact(record.id):
+                    self._admit(record)
+                else:
+                    self.facts.set_kv_status(record.id, "pending")
+
+    def _admit(self, record: FactRecord) -> None:
+        """A blob was written for this fact: count it, and evict what the budget no longer holds."""
+        stamp = self.kv.stamp(record.id)
+        if stamp is None:
+            return
+        for victim in self.budget.admit(record.id, record.scope.user_id, stamp[1]):
+            self._evict(victim)
+
+    def _evict(self, fact_id: str) -> None:
+        with self._write_lock:
+            self.kv.delete(fact_id)
+            try:
+                self.facts.set_kv_status(fact_id, "evicted")
+            except UnknownFactError:  # deleted meanwhile
+                pass
+        self.stats["kv_evictions"] += 1
 
     # -- write path -----------------------------------------------------------------------------
 
@@ -179,6 +209,7 @@ class KVMem:
             record = self.facts.update(fact_id, text.strip(), metadata=metadata, embedding=vector)
             if record.text != old.text:
                 self.kv.delete(fact_id)  # the old KV must never serve the new text
+                self.budget.forget(fact_id)
             self._index(record, vector)
         if record.text != old.text:
             self._encode_now([record], "sync")
@@ -191,6 +222,7 @@ class KVMem:
             self.index.remove(record.scope.user_id, fact_id)
             self.lexical.remove(record.scope.user_id, fact_id)
             self.kv.delete(fact_id)
+            self.budget.forget(fact_id)
 
     def delete_all(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None) -> int:
         scope = Scope(user_id, agent_id, run_id)
@@ -200,6 +232,7 @@ class KVMem:
                 self.index.remove(user_id, fact_id)
                 self.lexical.remove(user_id, fact_id)
                 self.kv.delete(fact_id)
+                self.budget.forget(fact_id)
         return len(ids)
 
     def reset(self) -> None:
@@ -210,6 +243,7 @@ class KVMem:
             self.facts.reset()
             self.index = TieredIndex(self.embedder.dim)  # exact scan; graph for scopes past 20k facts
             self.lexical = LexicalIndex()
+            self.budget = self._new_budget()
 
     # -- read path ------------------------------------------------------------------------------
 
@@ -268,7 +302,10 @@ class KVMem:
         Facts go into the prompt in the order they were stored (conversation order), not by
         score: a turn was encoded after the turns that preceded it, so keeping that order keeps
         the prompt closest to what each fact's KV was computed with, and helps questions about
-        time. `fact_ids` skips retrieval and uses exactly those facts, in that order.
+        time. In KV mode, facts without a blob (pending, failed, evicted) go after those with
+        one: the engine can only be handed a prefix of the prompt, so one such fact early on
+        would turn every later fact into text too. `fact_ids` skips retrieval and uses exactly
+        those facts, in that order.
         Thread-safe: concurrent chats are batched by the engine. Setting `cancel` (from another
         thread) aborts the generation and raises RequestCancelled. KV mode reads with the reader
         adapter when the engine has one; `reader=False` reads without it (for measuring it).
@@ -363,13 +400,24 @@ class KVMem:
             return []
         hits = self.search(question, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k, filters=filters)
         facts = [self.facts.get(h.id) for h in hits]
-        return sorted(facts, key=lambda f: (f.created_at, f.position or 0, f.id))
+        facts.sort(key=lambda f: (f.created_at, f.position or 0, f.id))
+        if mode == "kv":
+            facts.sort(key=lambda f: f.kv_status != "encoded")  # stable: stored order within each part
+        return facts
 
     def _finish(self, r, facts, mode: str, user_id: str, retrieval_s: float) -> ChatResult:
         c = r.connector
         reasons = c.get("fallbacks", {})
         self.stats[f"chat_{mode}"] += 1
         self.stats["fallbacks"] += c.get("facts_as_text", 0)
+        if mode == "kv":
+            self.budget.touch(f.id for f in facts)
+            from_blobs = max(0, c.get("injected_facts", 0) - 1)  # the first segment is the system header
+            self.stats["kv_disk_hits"] += from_blobs
+            self.stats["kv_disk_misses"] += len(facts) - from_blobs
+            totals = c.get("tier_totals", {})  # the engine's worker, since it started: keep the newest
+            self.stats["kv_ram_hits"] = max(self.stats["kv_ram_hits"], totals.get("ram_hits", 0))
+            self.stats["kv_ram_misses"] = max(self.stats["kv_ram_misses"], totals.get("disk_loads", 0))
         self._requeue(reasons)
         return ChatResult(
             answer=r.text.strip(), mode=mode, fact_ids=tuple(f.id for f in facts), ttft_s=r.ttft_s,
@@ -380,17 +428,36 @@ class KVMem:
         )
 
     def _requeue(self, reasons: dict[str, str]) -> None:
-        """A blob that failed at serving time gets re-encoded in the background."""
+        """A blob that failed at serving time gets re-encoded in the background; an evicted one
+        only once chats have used it more than the least-used blob that it would displace."""
         requeued = False
         for fact_id in reasons:
-            if fact_id.startswith("f-"):
-                try:
-                    self.facts.set_kv_status(fact_id, "pending")
-                    requeued = True
-                except UnknownFactError:  # deleted meanwhile: nothing to re-encode
-                    pass
+            if not fact_id.startswith("f-"):
+                continue
+            try:
+                record = self.facts.get(fact_id)
+                if record.kv_status == "evicted":
+                    if not self.budget.worth_readmitting(fact_id, record.scope.user_id):
+                        continue
+                    self.stats["kv_readmissions"] += 1
+                self.facts.set_kv_status(fact_id, "pending")
+                requeued = True
+            except UnknownFactError:  # deleted meanwhile: nothing to re-encode
+                pass
         if requeued:
             self.encoder.kick()
+
+    def kv_tiers(self) -> dict[str, int | None]:
+        """The KV tiers at a glance: bytes and budgets, hits and misses, evictions and re-encodes
+        of evicted facts. Disk: facts of KV-mode chats served from a blob or as text, since this
+        KVMem was opened. RAM: blob loads of the engine's worker served from its RAM tier or read
+        from disk, since the engine started (as of the last chat)."""
+        s = self.stats
+        return {"ram_budget_bytes": self.config.kv.hot_cache_mib << 20, "disk_bytes": self.budget.used, "disk_budget_bytes": self.budget.budget,
+                "tenant_quota_bytes": self.budget.quota, "disk_blobs": len(self.budget),
+                "disk_hits": s["kv_disk_hits"], "disk_misses": s["kv_disk_misses"],
+                "ram_hits": s["kv_ram_hits"], "ram_misses": s["kv_ram_misses"],
+                "evictions": s["kv_evictions"], "readmissions": s["kv_readmissions"]}
 
     # -- lifecycle ------------------------------------------------------------------------------
 

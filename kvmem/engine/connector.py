@@ -24,10 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from kvmem.engine.plan import ConnectorMeta
+from kvmem.engine.plan import KEY, ConnectorMeta
 from kvmem.engine.rope import KeyRotator, is_rotary
 from kvmem.engine.scheduler_side import SchedulerSide
 from kvmem.engine.support import refuse_unsupported
@@ -41,18 +42,41 @@ class KvmemMetadata(ConnectorMeta, KVConnectorMetadata):
     pass
 
 
+class KvmemStats(KVConnectorStats):
+    """What a worker reports after each step: blob loads served by its RAM tier, and read from disk."""
+
+    def reset(self) -> None:
+        self.data = {"ram_hits": 0, "disk_loads": 0}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvmemStats":
+        for name, count in other.data.items():
+            self.data[name] = self.data.get(name, 0) + count
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
 class KvmemConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         refuse_unsupported(vllm_config, kv_cache_config, report_dir=extra.get("kv_dir"))
-        store = KVStore(extra["kv_dir"], extra["fingerprint"], int(extra.get("hot_cache_mib", 512)) << 20)
+        # One store for both halves when they share a process, so the scheduler's checks fill
+        # the RAM tier that the worker then reads.
+        store = KVStore.shared(extra["kv_dir"], extra["fingerprint"], int(extra.get("hot_cache_mib", 512)) << 20)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._tier_totals = KvmemStats()  # scheduler: every worker's reports, summed
+        self._tier_totals.reset()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(store, block_size)
         else:
+            store.worker_attached = True
             self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, extra)
 
     @classmethod
@@ -79,11 +103,22 @@ class KvmemConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per finished request, before its blocks are freed: True keeps them
         until the worker reports the request in get_finished (an encode still being copied)."""
-        return self._scheduler.request_finished(request)
+        delay, params = self._scheduler.request_finished(request)
+        if params is not None:  # RAM-tier totals as of the last step (a request's own loads may lag a step)
+            params[KEY].update(tier_totals=dict(self._tier_totals.data))
+        return delay, params
 
     def update_connector_output(self, connector_output) -> None:
         """Scheduler, each step, with what the workers reported (encodes whose copy is done)."""
         self._scheduler.copies_done(connector_output.finished_sending or ())
+        stats = connector_output.kv_connector_stats
+        if stats is not None:
+            self._tier_totals.aggregate(stats)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """Any process: rebuild stats that crossed a process boundary as a dict."""
+        return KvmemStats(data=dict(data)) if data is not None else None
 
     # -- worker side (worker process) -----------------------------------------------------------
 
@@ -119,6 +154,14 @@ class KvmemConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata) -> None:
         """Worker, before a step that reuses blocks of preempted requests: finish copies out."""
         self._worker.wait_for_copies()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Worker, each step after the forward pass: blob loads since the last call, by tier."""
+        if self._worker is None or not any(self._worker.tier_counts.values()):
+            return None
+        stats = KvmemStats(data=dict(self._worker.tier_counts))
+        self._worker.tier_counts = dict.fromkeys(self._worker.tier_counts, 0)
+        return stats
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker, each step: blocks whose injection failed; vLLM recomputes them."""

@@ -1,8 +1,9 @@
 """Scheduler side of the connector: decide what to claim, hand load/save jobs to the worker.
 
-Runs in vLLM's engine-core process. Nothing here touches tensors: it checks blobs through the KV
-store (header and checksum, verified once per file version; only token ids are kept) and sends
-the worker block ids and token ranges (plan.py's LoadJob / SaveJob).
+Runs in vLLM's engine-core process. It checks blobs through the KV store (header and checksum,
+verified once per file version), which also loads them into the RAM tier that the worker reads
+from when both run in one process, and sends the worker block ids and token ranges (plan.py's
+LoadJob / SaveJob).
 
 Encode requests keep their blocks after they finish until the worker has copied their KV out
 (vLLM's delayed-free protocol: request_finished returns True, the worker's get_finished reports
@@ -32,6 +33,8 @@ class Claim:
     facts_as_text: int  # segments served by text prefill because of that blob
     local_hit: int = 0
     claimed: int = 0
+    ram_hits: int = 0  # blobs already in the RAM tier when checked
+    disk_loads: int = 0  # blobs read from disk (into the RAM tier) when checked
 
 
 @dataclass
@@ -121,6 +124,8 @@ class SchedulerSide:
             "inject_end": claim.end,
             "injected_facts": len(claim.segments),
             "facts_as_text": claim.facts_as_text,
+            "ram_hits": claim.ram_hits,
+            "disk_loads": claim.disk_loads,
             "fallbacks": claim.fallbacks,
             "held_for_copies": len(self._held),  # encodes whose blocks still wait for the worker
         }}
@@ -137,8 +142,9 @@ class SchedulerSide:
         usable: list[Segment] = []
         end = 0
         fallbacks: dict[str, str] = {}
+        tiers = {True: 0, False: 0}  # in RAM already -> blobs
         for i, seg in enumerate(plan.segments):
-            reason = self._unusable(seg, end, prompt)
+            reason = self._unusable(seg, end, prompt, tiers)
             if reason is not None:
                 fallbacks[seg.fact_id] = reason
                 # Only a prefix can be injected, but every later blob is checked too, so one chat
@@ -148,11 +154,12 @@ class SchedulerSide:
             usable.append(seg)
             end = seg.end
         as_text = len(plan.segments) - len(usable)
+        ram_hits, disk_loads = tiers[True], tiers[False]
         if as_text:
             self.fallback_total += as_text
             log.warning("request %s: %d of %d segments served as text (%s); %d fallbacks so far",
                         request.request_id, as_text, len(plan.segments), fallbacks, self.fallback_total)
-        return Claim(usable, min(end, len(prompt) - 1), fallbacks, as_text)
+        return Claim(usable, min(end, len(prompt) - 1), fallbacks, as_text, ram_hits=ram_hits, disk_loads=disk_loads)
 
     def _bad_blobs(self, segments, prompt: list[int]) -> dict[str, str]:
         """fact id -> reason for each of these segments whose blob cannot serve its tokens."""
@@ -163,13 +170,17 @@ class SchedulerSide:
                 bad[seg.fact_id] = reason
         return bad
 
-    def _unusable(self, seg: Segment, expected_start: int, prompt: list[int]) -> str | None:
+    def _unusable(self, seg: Segment, expected_start: int, prompt: list[int], tiers: dict | None = None) -> str | None:
         if seg.start != expected_start:
             return "gap"  # only a prefix can be supplied: segments must follow each other
         if seg.end > len(prompt):
             return "beyond prompt"
         try:
-            token_ids = self.store.token_ids(seg.fact_id)
+            if tiers is None:  # a blob past the injected prefix: checked, not loaded
+                token_ids = self.store.token_ids(seg.fact_id)
+            else:
+                token_ids, in_ram = self.store.warm(seg.fact_id)
+                tiers[in_ram] += 1
         except BlobError as e:
             log.warning("%s", e)
             return e.reason

@@ -59,6 +59,7 @@ class WorkerSide:
         self._copies: dict[str, object] = {}  # req id -> event: its encode's copy out of the cache is done
         self._writer = BlobWriter(store, self.codec)
         self.failed_block_ids: set[int] = set()
+        self.tier_counts = {"ram_hits": 0, "disk_loads": 0}  # this worker's blob loads since last reported
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
@@ -146,7 +147,10 @@ class WorkerSide:
         positions, slots = _token_map(jobs, self.block_size)
         self.rotator.check_positions(positions)
         spans = [s for job in jobs for s in job.spans]
-        blobs = [self.store.get(s.fact_id) for s in spans]
+        fetched = [self.store.fetch(s.fact_id) for s in spans]
+        blobs = [blob for blob, _ in fetched]
+        for _, in_ram in fetched:
+            self.tier_counts["ram_hits" if in_ram else "disk_loads"] += 1
         codec = blobs[0].codec if len({b.codec for b in blobs}) == 1 else None
         if codec is None:  # a codec change left blobs of two codecs: decode on the host (rare)
             blobs = [_decoded(b) for b in blobs]

@@ -46,11 +46,11 @@ from kvmem.kv.store import check_fact_id
 
 log = logging.getLogger(__name__)
 
-KV_STATUSES = ("pending", "encoded", "failed")
+KV_STATUSES = ("pending", "encoded", "failed", "evicted")
 SOURCES = ("fact", "messages")
 MAX_LIMIT = 10_000
 MAX_OFFSET = (1 << 63) - 1  # SQLite's largest integer: OFFSET overflows beyond it
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: kv_status 'evicted'
 _CHUNK = 1000  # rows per lock hold when streaming, so long scans never starve writers
 
 _SCHEMA = """
@@ -70,7 +70,7 @@ CREATE TABLE IF NOT EXISTS facts (
     position INTEGER,
     conversation_id TEXT,
     content_hash TEXT NOT NULL,
-    kv_status TEXT NOT NULL CHECK (kv_status IN ('pending', 'encoded', 'failed')),
+    kv_status TEXT NOT NULL CHECK (kv_status IN ('pending', 'encoded', 'failed', 'evicted')),
     kv_attempts INTEGER NOT NULL,
     embedding BLOB,
     embedding_dim INTEGER
@@ -112,7 +112,7 @@ class FactRecord:
     position: int | None  # turn index within its conversation
     conversation_id: str | None
     content_hash: str
-    kv_status: str  # "pending" | "encoded" | "failed"
+    kv_status: str  # "pending" | "encoded" | "failed" | "evicted" (blob dropped by the disk budget)
     kv_attempts: int
     embedding: np.ndarray | None  # float32, read-only
     embedding_dim: int | None
@@ -426,9 +426,30 @@ def _connect(path: Path) -> sqlite3.Connection:
         log.warning("%s: SQLite refused WAL mode (network filesystem?); falling back to its default", path)
     conn.execute("PRAGMA synchronous=FULL")
     conn.execute("PRAGMA secure_delete=ON")  # per connection, so set on every open
+    if version == 1:
+        _migrate_v1(conn)
     conn.executescript(_SCHEMA)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     return conn
+
+
+def _migrate_v1(conn: sqlite3.Connection) -> None:
+    """Schema 1 -> 2: kv_status may be 'evicted'. SQLite cannot alter a CHECK constraint, so the
+    facts table is rebuilt (rowids kept: listings order by them), in one transaction."""
+    table = _SCHEMA.split("CREATE TABLE IF NOT EXISTS facts (", 1)[1].split(");", 1)[0]
+    columns = ", ".join(_FIELDS)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(f"CREATE TABLE facts_v2 ({table})")
+        conn.execute(f"INSERT INTO facts_v2 (rowid, {columns}) SELECT rowid, {columns} FROM facts")
+        conn.execute("DROP TABLE facts")  # its indexes go with it; _SCHEMA recreates them
+        conn.execute("ALTER TABLE facts_v2 RENAME TO facts")
+        conn.execute("PRAGMA user_version=2")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    log.info("fact store migrated to schema 2 (kv_status 'evicted')")
 
 
 def _fetch(conn: sqlite3.Connection, fact_id: str) -> sqlite3.Row:
@@ -643,8 +664,8 @@ def _vector_from(blob: bytes | None) -> np.ndarray | None:
 def _pending_where(max_attempts: int | None) -> tuple[str, tuple]:
     """The WHERE clause (and its parameters) of facts still waiting for their KV."""
     if max_attempts is None:
-        return " WHERE kv_status <> 'encoded'", ()
-    return " WHERE kv_status <> 'encoded' AND kv_attempts < ?", (max_attempts,)
+        return " WHERE kv_status IN ('pending', 'failed')", ()
+    return " WHERE kv_status IN ('pending', 'failed') AND kv_attempts < ?", (max_attempts,)
 
 
 def _record(row: Mapping[str, Any]) -> FactRecord:

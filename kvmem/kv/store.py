@@ -1,9 +1,13 @@
 """The on-disk KV store: one blob file per fact, under a folder per model fingerprint.
 
 Writes are atomic (temp file, fsync, rename), so a reader sees a whole blob or none.
-Decoded blobs are kept in a per-process LRU keyed by the file's identity (inode, size,
-mtime), so a hot fact costs one stat() per request, and a rewritten file is never served stale.
-The scheduler only checks blobs (token_ids()): that keeps no tensors, just the verified ids.
+Decoded blobs are kept in a per-process LRU (the RAM tier) keyed by the file's identity (inode,
+size, mtime), so a hot fact costs one stat() per request, and a rewritten file is never served
+stale. `shared()` hands the connector's scheduler and worker halves one store when vLLM runs them
+in one process (one GPU, UniProcExecutor): the scheduler's check of a request's blobs (`warm`) then
+loads them into the RAM tier, and the forward pass reads them from there, not from disk a second
+time. vLLM's CPU backend always runs the worker in a process of its own; there the scheduler only
+checks, and the worker's own RAM tier serves repeats.
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ def check_fact_id(fact_id: str) -> str:
 
 
 class KVStore:
+    _shared: dict[tuple, "KVStore"] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, root: Path | str, fingerprint: str, hot_cache_bytes: int = 512 << 20) -> "KVStore":
+        """One store per (folder, model, RAM budget) in this process."""
+        key = (str(Path(root).resolve()), fingerprint, hot_cache_bytes)
+        with cls._shared_lock:
+            store = cls._shared.get(key)
+            if store is None:
+                store = cls._shared[key] = cls(root, fingerprint, hot_cache_bytes)
+            return store
+
     def __init__(self, root: Path | str, fingerprint: str, hot_cache_bytes: int = 512 << 20) -> None:
         self.fingerprint = fingerprint
         self.dir = Path(root) / fingerprint[:16]
@@ -39,6 +56,9 @@ class KVStore:
         self._hot_limit = hot_cache_bytes
         self._verified: OrderedDict[str, tuple[tuple, tuple[int, ...]]] = OrderedDict()  # header-only checks
         self._lock = threading.Lock()
+        self.worker_attached = False  # a connector worker reads this instance (same process)
+        self.ram_hits = 0  # get() served from the RAM tier
+        self.disk_loads = 0  # get() that read and decoded the file
 
     def path(self, fact_id: str) -> Path:
         return self.dir / f"{check_fact_id(fact_id)}.safetensors"
@@ -63,15 +83,31 @@ class KVStore:
 
     def get(self, fact_id: str) -> KVBlob:
         """The verified blob, or BlobError(MISSING | CORRUPT | STALE)."""
+        return self.fetch(fact_id)[0]
+
+    def fetch(self, fact_id: str) -> tuple[KVBlob, bool]:
+        """-> (the verified blob, whether it came from the RAM tier); BlobError as get()."""
         path, stamp = self._stamp(fact_id)
         with self._lock:
             hit = self._hot.get(fact_id)
             if hit is not None and hit[0] == stamp:
                 self._hot.move_to_end(fact_id)
-                return hit[1]
+                self.ram_hits += 1
+                return hit[1], True
         blob = decode_blob(self._read(path, fact_id), fact_id, self.fingerprint)
         self._remember(fact_id, stamp, blob)
-        return blob
+        with self._lock:
+            self.disk_loads += 1
+        return blob, False
+
+    def warm(self, fact_id: str) -> tuple[tuple[int, ...], bool]:
+        """-> (the blob's verified token ids, whether it was already in RAM), leaving the blob in
+        the RAM tier for the load that follows. Only checks (token_ids()) when there is no RAM
+        tier or no worker in this process to read it (vLLM's CPU backend runs the worker apart)."""
+        if self._hot_limit <= 0 or not self.worker_attached:
+            return self.token_ids(fact_id), False
+        blob, in_ram = self.fetch(fact_id)
+        return blob.token_ids, in_ram
 
     def token_ids(self, fact_id: str) -> tuple[int, ...]:
         """A blob's verified token ids without building its tensors (the scheduler's check).

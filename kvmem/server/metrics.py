@@ -68,8 +68,35 @@ class _StoreCollector:
         yield GaugeMetricFamily("kvmem_encode_queue_depth", "Facts waiting for their KV to be encoded", value=depth)
         yield GaugeMetricFamily("kvmem_kv_store_bytes", "Bytes of KV blobs on disk", value=kv_bytes)
         yield GaugeMetricFamily("kvmem_facts", "Facts stored (all tenants)", value=facts)
+        yield from _tier_metrics(mem)
         yield CounterMetricFamily("kvmem_requests_aborted", "Engine requests aborted because their caller went away",
                                   value=getattr(getattr(mem, "engine", None), "aborted", 0))
+
+
+def _tier_metrics(mem):
+    """The KV tiers: RAM (decoded blobs in the engine process) and disk (blob files)."""
+    tiers = mem.kv_tiers()
+    hits = CounterMetricFamily("kvmem_kv_tier_hits", "Fact blobs found in this tier (disk: facts served from KV; "
+                               "ram: blobs the engine did not have to read from disk)", labels=["tier"])
+    misses = CounterMetricFamily("kvmem_kv_tier_misses", "Fact blobs not found in this tier (disk: facts served "
+                                 "as text; ram: blobs read from disk)", labels=["tier"])
+    for tier in ("ram", "disk"):
+        hits.add_metric([tier], tiers[f"{tier}_hits"])
+        misses.add_metric([tier], tiers[f"{tier}_misses"])
+    yield hits
+    yield misses
+    budget = GaugeMetricFamily("kvmem_kv_tier_budget_bytes", "Byte budget of each KV tier (absent: unlimited)",
+                               labels=["tier"])
+    budget.add_metric(["ram"], tiers["ram_budget_bytes"])
+    if tiers["disk_budget_bytes"] is not None:
+        budget.add_metric(["disk"], tiers["disk_budget_bytes"])
+    yield budget
+    yield GaugeMetricFamily("kvmem_kv_disk_tier_bytes", "Bytes of fact blobs counted against the disk budget",
+                            value=tiers["disk_bytes"])
+    yield CounterMetricFamily("kvmem_kv_evictions", "Fact blobs evicted by the disk budget or a tenant quota",
+                              value=tiers["evictions"])
+    yield CounterMetricFamily("kvmem_kv_readmissions", "Evicted facts queued for re-encoding because chats used them",
+                              value=tiers["readmissions"])
 
 
 def queue_depth(mem) -> int:

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 import torch
 
 from kvmem.engine.plan import ENCODE, INJECT, Plan, Segment, Span
@@ -133,3 +135,36 @@ def test_encode_finished_before_its_save_frees_blocks_at_once(tmp_path):
                                            num_scheduled_tokens={"r1": 4}))  # aborted after a first chunk
     assert meta.saves == []
     assert side.request_finished(req) == (False, None)
+
+
+def test_checking_a_claim_loads_its_blobs_into_the_ram_tier_the_worker_reads(tmp_path):
+    """Prefetch: the scheduler's check leaves each blob decoded in the shared store, so the
+    worker's load (store.get, the same call worker_side makes) is a RAM hit, not a disk read."""
+    store_with(tmp_path, {"head": PROMPT[0:4], "a": PROMPT[4:10], "b": PROMPT[10:16]})
+    shared = KVStore.shared(tmp_path, FP)
+    assert KVStore.shared(tmp_path, FP) is shared  # the worker half gets the same instance
+    shared.worker_attached = True  # as the worker's connector marks it
+    side = SchedulerSide(shared, 8)
+    req = request(PROMPT, SEGS)
+    side.get_num_new_matched_tokens(req, 0)
+    assert (shared.ram_hits, shared.disk_loads) == (0, 3)
+    for fact_id in ("head", "a", "b"):
+        blob, in_ram = shared.fetch(fact_id)
+        assert in_ram and blob.token_ids == tuple(PROMPT[{"head": 0, "a": 4, "b": 10}[fact_id]:][:len(blob.token_ids)])
+    assert shared.ram_hits == 3
+    _, params = side.request_finished(req)
+    assert (params["kvmem"]["ram_hits"], params["kvmem"]["disk_loads"]) == (0, 3)
+    again = request(PROMPT, SEGS, rid="r2")
+    side.get_num_new_matched_tokens(again, 0)
+    _, params = side.request_finished(again)
+    assert (params["kvmem"]["ram_hits"], params["kvmem"]["disk_loads"]) == (3, 0)
+
+
+@pytest.mark.parametrize("ram, worker", [(0, True), (512 << 20, False)])
+def test_without_a_ram_tier_or_a_worker_beside_it_the_check_keeps_no_tensors(tmp_path, ram, worker):
+    store_with(tmp_path, {"head": PROMPT[0:4], "a": PROMPT[4:10], "b": PROMPT[10:16]})
+    store = KVStore(tmp_path, FP, hot_cache_bytes=ram)
+    store.worker_attached = worker
+    side = SchedulerSide(store, 8)
+    assert side.get_num_new_matched_tokens(request(PROMPT, SEGS), 0) == (16, False)
+    assert store.disk_loads == 0 and not store.fetch("a")[1]

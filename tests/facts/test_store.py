@@ -618,3 +618,42 @@ def test_offset_beyond_sqlite_integers_is_refused_and_the_largest_is_an_empty_pa
     with pytest.raises(InvalidInputError, match="offset"):
         store.list(offset=2**63)
     assert store.list(offset=2**63 - 1) == []
+
+
+# -- schema migration ------------------------------------------------------------------------
+
+
+def test_a_schema_1_store_migrates_and_keeps_every_fact_in_order(path):
+    """Schema 1's CHECK refused kv_status 'evicted'; opening such a file rebuilds the table."""
+    import sqlite3
+
+    s = FactStore(path)
+    for i in range(3):
+        s.add_many([{"text": f"fact {i}", "scope": ALICE, "embedding": np.full(4, i, np.float32)}])
+    s.set_kv_status(s.list(user_id="alice")[0].id, "encoded")
+    before = s.list(user_id="alice")
+    s.close()
+    conn = sqlite3.connect(path)  # rewrite it as schema 1 wrote it: the old CHECK, user_version 1
+    table = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'facts'").fetchone()[0]
+    old = table.replace(", 'evicted'", "")
+    assert old != table
+    conn.execute("PRAGMA writable_schema=ON")
+    conn.execute("UPDATE sqlite_master SET sql = ? WHERE name = 'facts'", (old,))
+    conn.commit()
+    conn.execute("PRAGMA writable_schema=OFF")
+    conn.execute("PRAGMA user_version=1")
+    conn.close()
+    with pytest.raises(sqlite3.IntegrityError):  # the old constraint is really in force
+        raw = sqlite3.connect(path)
+        raw.execute("UPDATE facts SET kv_status = 'evicted'")
+        raw.commit()
+    raw.close()
+
+    s = FactStore(path)
+    try:
+        assert s.list(user_id="alice") == before
+        assert s.set_kv_status(before[1].id, "evicted")
+        assert s.get(before[1].id).kv_status == "evicted"
+        assert [r.id for r in s.pending()] == [before[2].id]  # evicted facts wait for no encoder
+    finally:
+        s.close()

@@ -213,6 +213,9 @@ class BlockingMem:
 
         self.release, self.entered, self._lock = threading.Event(), 0, threading.Lock()
         self.kv, self.facts = SimpleNamespace(total_bytes=lambda: 0), SimpleNamespace(count=lambda: 0)
+        tiers = dict.fromkeys(("ram_budget_bytes", "disk_bytes", "disk_hits", "disk_misses", "ram_hits",
+                               "ram_misses", "evictions", "readmissions"), 0)
+        self.kv_tiers = lambda: {**tiers, "disk_budget_bytes": None}
 
     def add(self, *args, **kw):
         from kvmem.results import AddResult
