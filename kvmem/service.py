@@ -401,9 +401,7 @@ class KVMem:
         hits = self.search(question, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k, filters=filters)
         facts = [self.facts.get(h.id) for h in hits]
         facts.sort(key=lambda f: (f.created_at, f.position or 0, f.id))
-        if mode == "kv":
-            facts.sort(key=lambda f: f.kv_status != "encoded")  # stable: stored order within each part
-        return facts
+        return kv_first(facts) if mode == "kv" else facts
 
     def _finish(self, r, facts, mode: str, user_id: str, retrieval_s: float) -> ChatResult:
         c = r.connector
@@ -482,6 +480,12 @@ class KVMem:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def kv_first(facts: list[FactRecord]) -> list[FactRecord]:
+    """Facts with a blob first, each part in the order given: the engine can only be handed a
+    prefix of the prompt, so a fact served as text ends injection for every fact after it."""
+    return sorted(facts, key=lambda f: f.kv_status != "encoded")
 
 
 def _int_at_least(value: object, low: int) -> bool:

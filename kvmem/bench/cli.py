@@ -1,4 +1,4 @@
-"""`kvmem bench ttft|load|oracle|codecs|reader|ann` and `kvmem eval locomo`: argument parsing and report writing."""
+"""`kvmem bench ttft|load|cache|oracle|codecs|reader|ann` and `kvmem eval locomo`: argument parsing and report writing."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def add_parsers(sub) -> None:
     ld.add_argument("--max-tokens", type=int, default=16)
     _common(ld, "load")
     ld.set_defaults(func=cmd_load)
+    ca = bench.add_parser("cache", help="TTFT and disk hit rate under disk budgets, Zipf workload over many users")
+    ca.add_argument("--users", type=int, default=40)
+    ca.add_argument("--facts-per-user", type=int, default=10)
+    ca.add_argument("-k", type=int, default=5, help="facts per chat (default: 5)")
+    ca.add_argument("--zipf", type=float, default=1.0, help="skew over users and over each user's facts (default: 1.0)")
+    ca.add_argument("--budgets", type=lambda s: tuple(float(x) for x in s.split(",") if x), default=(0.5, 0.2, 0.1),
+                    help="disk budgets as shares of the working set, after the unlimited run (default: 0.5,0.2,0.1)")
+    ca.add_argument("--warmup", type=int, default=100, help="untimed requests per budget (default: 100)")
+    ca.add_argument("--timed", type=int, default=200, help="timed requests per budget (default: 200)")
+    _common(ca, "cache")
+    ca.set_defaults(func=cmd_cache)
     o = bench.add_parser("oracle", help="injected KV vs text prefill of the same prompt (k=1 exact, k=10 approx.)")
     o.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     o.set_defaults(func=cmd_oracle)
@@ -112,6 +123,24 @@ def cmd_load(args, config) -> int:
         result = load.run(mem, data=args.data, levels=args.users, k=args.k, requests=args.requests,
                           max_tokens=args.max_tokens, seed=args.seed)
     print(load.report(result, (args.out or RESULTS) / "load"))
+    return 0
+
+
+def cmd_cache(args, config) -> int:
+    from dataclasses import replace
+
+    from kvmem.bench import cache
+    from kvmem.service import KVMem
+
+    with _open(config) as owner:  # starts the engine; each budget reopens the service on it
+        def open_mem(mib):
+            budgeted = replace(config, kv=replace(config.kv, disk_budget_mib=mib))
+            return KVMem(budgeted, engine=owner.engine, embedder=owner.embedder)
+
+        result = cache.run(open_mem, data=args.data, users=args.users, facts_per_user=args.facts_per_user, k=args.k,
+                           s=args.zipf, budgets=(None, *args.budgets), warmup=args.warmup, timed=args.timed,
+                           seed=args.seed)
+    print(cache.report(result, (args.out or RESULTS) / "cache"))
     return 0
 
 

@@ -257,6 +257,11 @@ class Engine:
             pass
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the engine's own prefix cache (benchmarks: one run must not ride another's cached
+        blocks). Call it with no request in flight; False if vLLM refused (requests running)."""
+        return self._engine.reset_prefix_cache()
+
     def close(self) -> None:
         if self._stopping:
             return
