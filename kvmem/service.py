@@ -70,6 +70,7 @@ class KVMem:
         self.engine = engine if engine is not None else (self._start_engine() if start_engine else None)
         self.encoder = Encoder(self.engine, self.prompts, self.kv, self.facts, on_encoded=self._admit) if self.engine else None
         if self.encoder:
+            self.budget.remember(self.facts.usage())
             self._check_blobs()
             if background:
                 self.encoder.start()
@@ -471,6 +472,7 @@ class KVMem:
     def close(self) -> None:
         if self.encoder is not None:
             self.encoder.stop()
+            self.facts.save_usage(self.budget.changed_hits())  # the eviction order survives a restart
         if self._owns_engine and self.engine is not None:
             self.engine.close()
         self.facts.close()

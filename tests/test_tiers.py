@@ -77,3 +77,14 @@ def test_forgetting_an_evicted_fact_and_deleting_a_user_return_the_bytes(open_ho
     assert r.fallbacks == 2 and m.kv_tiers()["readmissions"] == 0  # can never fit: not re-encoded
     m.delete(ids[0])
     assert m.delete_all(user_id="tier-zero") == 1 and len(m.budget) == 0
+
+
+def test_a_restart_with_a_smaller_quota_evicts_the_least_used_not_the_oldest(open_home):
+    m = open_home()
+    ids = list(m.add(facts=ALICE, user_id="tier-restart").ids)
+    sizes = sorted(blob_bytes(m, f) for f in ids)
+    for _ in range(2):  # the oldest two are used, the newest is not
+        m.chat("Tell me about Alice.", user_id="tier-restart", fact_ids=ids[:2], max_tokens=1)
+    m.close()
+    m = open_home(tenant_quota_mib=(sizes[1] + sizes[2]) / (1 << 20))
+    assert [m.get(f).kv_status for f in ids] == ["encoded", "encoded", "evicted"]

@@ -22,7 +22,7 @@ from kvmem.bench.metrics import top20_kl
 from kvmem.bench.oracle import FACTS, QUESTIONS, logprob_gap
 from kvmem.bench.report import write_json
 from kvmem.kv.blob import KVBlob
-from kvmem.kv.codec import CODECS, encode
+from kvmem.kv.codec import CODECS, encode, role_codecs
 
 USER = "bench-codecs"
 TUNING = ("conv-26", "conv-30", "conv-41")
@@ -73,16 +73,18 @@ def _recoded_copy(mem, texts: list[str], originals: list[KVBlob], codec: str) ->
     """The facts again, for a user of this codec's own, with the original KV re-coded."""
     user = f"{USER}-{codec}"
     own = list(mem.add(facts=texts, user_id=user, encode="none").ids)
+    keys, values = role_codecs(codec)
     for fact_id, blob in zip(own, originals):
-        mem.kv.put(KVBlob(fact_id, blob.fingerprint, blob.token_ids, encode(blob.key, codec),
-                          encode(blob.value, codec), blob.key_position))
+        mem.kv.put(KVBlob(fact_id, blob.fingerprint, blob.token_ids, encode(blob.key, keys),
+                          encode(blob.value, values), blob.key_position))
     mem.chat(QUESTIONS[0], user_id=user, fact_ids=own[:3], mode="kv", max_tokens=1)  # warm-up, not timed
     return user, own
 
 
 def _row(codec, originals, text_k1, k1, text, kv, lossless, ttft) -> dict:
     tokens = sum(b.num_tokens for b in originals)
-    nbytes = sum(encode(b.key, codec).nbytes + encode(b.value, codec).nbytes for b in originals)
+    keys, values = role_codecs(codec)
+    nbytes = sum(encode(b.key, keys).nbytes + encode(b.value, values).nbytes for b in originals)
     return {
         "bytes_per_token": nbytes / tokens,
         "k1_max_gap": max(logprob_gap(t, x) for t, x in zip(text_k1, k1)),

@@ -19,7 +19,7 @@ import torch
 from kvmem.engine.plan import SaveJob
 from kvmem.engine.staging import synchronize
 from kvmem.kv.blob import KVBlob
-from kvmem.kv.codec import encode
+from kvmem.kv.codec import encode, role_codecs
 from kvmem.kv.store import KVStore
 
 log = logging.getLogger("kvmem.connector")
@@ -39,6 +39,7 @@ class BlobWriter:
     def __init__(self, store: KVStore, codec: str = "none") -> None:
         self.store = store
         self.codec = codec
+        self._roles = role_codecs(codec)  # (keys' codec, values')
         self._queue: queue.Queue[SaveBatch | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvmem-blob-writer", daemon=True)
         self._thread.start()
@@ -73,8 +74,8 @@ class BlobWriter:
             for span, token_ids in zip(job.spans, job.token_ids):
                 end = start + span.length
                 blob = KVBlob(span.fact_id, self.store.fingerprint, token_ids,
-                              encode(batch.key[:, start:end], self.codec),
-                              encode(batch.value[:, start:end], self.codec), key_position=span.start)
+                              encode(batch.key[:, start:end], self._roles[0]),
+                              encode(batch.value[:, start:end], self._roles[1]), key_position=span.start)
                 try:
                     self.store.put(blob)
                 except OSError as e:

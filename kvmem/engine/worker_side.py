@@ -33,7 +33,7 @@ from kvmem.engine.rope import KeyRotator, LayerRotators
 from kvmem.engine.staging import HostStaging, SideStream, synchronize
 from kvmem.errors import BlobError
 from kvmem.kv.blob import KVBlob
-from kvmem.kv.codec import Coded, check_codec, decode_parts
+from kvmem.kv.codec import Coded, check_codec, decode_parts, role_codecs
 from kvmem.kv.store import KVStore
 
 log = logging.getLogger("kvmem.connector")
@@ -120,7 +120,7 @@ class WorkerSide:
             moves = staged.moves_to(dev)
             for i, (name, cache) in enumerate(self._caches):
                 key = self._layer_keys(i, staged, moves, cache.dtype)  # [N, H, D]
-                value = _decode_layer(staged.codec, staged.value, i, dev, cache.dtype)
+                value = _decode_layer(staged.value_codec, staged.value, i, dev, cache.dtype)
                 layer = self._layers[name]
                 layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
                 self._layer_events[name] = self._stream.record()
@@ -128,7 +128,7 @@ class WorkerSide:
 
     def _layer_keys(self, i: int, staged: "_Staged", moves, dtype: torch.dtype) -> torch.Tensor:
         """Layer i's keys [N, H, D] on the device, decoded and moved to their serving positions."""
-        key = _decode_layer(staged.codec, staged.key, i, self.device, None)
+        key = _decode_layer(staged.key_codec, staged.key, i, self.device, None)
         if moves is None:  # every token is served where it was encoded: bit for bit
             return key.to(dtype)
         index, src, dst = moves
@@ -256,7 +256,7 @@ class _Staged:
 
     def __init__(self, codec: str, slots: torch.Tensor, key: dict, value: dict, src: torch.Tensor,
                  dst: torch.Tensor) -> None:
-        self.codec = codec
+        self.key_codec, self.value_codec = role_codecs(codec)
         self.slots = slots  # [N] cache slots
         self.key = key  # part name -> [L, N, ...]
         self.value = value

@@ -50,7 +50,7 @@ KV_STATUSES = ("pending", "encoded", "failed", "evicted")
 SOURCES = ("fact", "messages")
 MAX_LIMIT = 10_000
 MAX_OFFSET = (1 << 63) - 1  # SQLite's largest integer: OFFSET overflows beyond it
-SCHEMA_VERSION = 2  # 2: kv_status 'evicted'
+SCHEMA_VERSION = 2  # 2: kv_status 'evicted', table kv_usage
 _CHUNK = 1000  # rows per lock hold when streaming, so long scans never starve writers
 
 _SCHEMA = """
@@ -92,6 +92,10 @@ CREATE TABLE IF NOT EXISTS history (
     run_id TEXT
 );
 CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id, id);
+CREATE TABLE IF NOT EXISTS kv_usage (
+    fact_id TEXT PRIMARY KEY,
+    hits INTEGER NOT NULL
+);
 """
 
 
@@ -273,7 +277,22 @@ class FactStore:
         with self._tx() as conn:
             conn.execute("DELETE FROM facts")
             conn.execute("DELETE FROM history")
+            conn.execute("DELETE FROM kv_usage")
         self._checkpoint()
+
+    def usage(self) -> dict[str, int]:
+        """fact id -> chats that used it, as last saved (the disk budget's eviction history)."""
+        with self._lock:
+            return dict(self._open().execute("SELECT fact_id, hits FROM kv_usage").fetchall())
+
+    def save_usage(self, hits: Mapping[str, int]) -> None:
+        """Record these counts (facts deleted meanwhile are skipped: their history is gone)."""
+        if not hits:
+            return
+        with self._tx() as conn:
+            conn.executemany("INSERT INTO kv_usage (fact_id, hits) SELECT ?, ? WHERE EXISTS "
+                             "(SELECT 1 FROM facts WHERE id = ?) ON CONFLICT (fact_id) DO UPDATE SET hits = excluded.hits",
+                             [(fact_id, n, fact_id) for fact_id, n in hits.items()])
 
     def close(self) -> None:
         with self._lock:
@@ -497,6 +516,7 @@ def _forget(conn: sqlite3.Connection, rows: Iterable[sqlite3.Row]) -> None:
         conn.execute("UPDATE history SET old_text = NULL, new_text = NULL WHERE fact_id = ?", (row["id"],))
         _log(conn, "DELETE", row, None, None, now)
         conn.execute("DELETE FROM facts WHERE id = ?", (row["id"],))
+        conn.execute("DELETE FROM kv_usage WHERE fact_id = ?", (row["id"],))
 
 
 def _log(

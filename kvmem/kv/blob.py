@@ -24,7 +24,7 @@ import xxhash
 from safetensors.torch import save as st_save
 
 from kvmem.errors import BlobError
-from kvmem.kv.codec import CODECS, Coded
+from kvmem.kv.codec import CODECS, Coded, blob_codec, role_codecs
 
 LAYOUT = "LTHD"
 FORMAT = 2  # keys as cached, with their encoded position; any codec
@@ -64,7 +64,7 @@ class KVBlob:
 
     @property
     def codec(self) -> str:
-        return self.keys.codec
+        return blob_codec(self.keys.codec, self.values.codec)
 
     @property
     def num_tokens(self) -> int:
@@ -106,8 +106,7 @@ def _digest(fingerprint: str, token_ids, parts: list[tuple[str, torch.dtype, tup
 def encode_blob(blob: KVBlob) -> bytes:
     if blob.key_position is None:
         raise ValueError("format-1 blobs (pre-RoPE keys) are read, never written")
-    if blob.keys.codec != blob.values.codec:
-        raise ValueError(f"keys in {blob.keys.codec}, values in {blob.values.codec}: one codec per blob")
+    blob_codec(blob.keys.codec, blob.values.codec)  # ValueError for a pair no codec names
     tensors = {f"{role}.{name}": t.contiguous() for role, coded in (("key", blob.keys), ("value", blob.values))
                for name, t in coded.parts.items()}
     metadata = {
@@ -195,9 +194,9 @@ def decode_blob(data: bytes | bytearray, fact_id: str, fingerprint: str) -> KVBl
         tensors = {name: _tensor(raw, dtype, shape) for name, dtype, shape, raw in parts}
         if meta["kvmem_format"] == "1":  # pre-RoPE float32 keys, cache-dtype values
             return KVBlob(fact_id, fingerprint, token_ids, tensors["key"], tensors["value"], None)
-        codec = meta.get("codec", "none")
+        roles = dict(zip(("key", "value"), role_codecs(meta.get("codec", "none"))))
         coded = {role: Coded(codec, {name.removeprefix(role + "."): t for name, t in tensors.items()
-                                     if name.startswith(role + ".")}) for role in ("key", "value")}
+                                     if name.startswith(role + ".")}) for role, codec in roles.items()}
         return KVBlob(fact_id, fingerprint, token_ids, coded["key"], coded["value"], int(meta["key_position"]))
     except Exception as e:  # noqa: BLE001 - a verified file that still does not parse is corrupt
         raise BlobError(fact_id, BlobError.CORRUPT, str(e)) from e

@@ -14,7 +14,10 @@ proportional to its blob size, so cost/size is a constant and GDSF reduces to LF
 
 Access counts of evicted facts are kept (up to `ghosts` of them), so a hot fact that was evicted
 comes back with its history instead of starting cold; it is re-encoded only once it has been used
-more often than the blob it would displace (`worth_readmitting`).
+more often than the blob it would displace (`worth_readmitting`). The service saves the counts
+(`changed_hits`) when it closes and hands them back (`remember`) when it opens, so a restart with
+a smaller budget evicts the least-used blobs, not the oldest; counts since the last clean close
+are lost in a crash.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class DiskBudget:
         self._hits: OrderedDict[str, int] = OrderedDict()  # chats per fact, evicted ones too
         self._evicted_bytes: OrderedDict[str, int] = OrderedDict()  # size of each evicted blob
         self._ghosts = ghosts
+        self._changed: set[str] = set()  # facts whose count changed since changed_hits()
         self._version = 0
         self._lock = threading.Lock()
 
@@ -90,6 +94,7 @@ class DiskBudget:
         with self._lock:
             for fact_id in fact_ids:
                 self._hits[fact_id] = self._hits.pop(fact_id, 0) + 1
+                self._changed.add(fact_id)
                 while len(self._hits) > self._ghosts:
                     self._hits.popitem(last=False)
                 entry = self._live.get(fact_id)
@@ -130,12 +135,26 @@ class DiskBudget:
                     return False
             return True
 
+    def remember(self, hits: dict[str, int]) -> None:
+        """Counts saved by an earlier run; call before admitting the blobs they rank."""
+        with self._lock:
+            for fact_id, n in hits.items():
+                self._hits[fact_id] = self._hits.pop(fact_id, 0) + n
+
+    def changed_hits(self) -> dict[str, int]:
+        """The counts that changed since the last call (for saving them)."""
+        with self._lock:
+            changed = {f: self._hits[f] for f in self._changed if f in self._hits}
+            self._changed.clear()
+            return changed
+
     def forget(self, fact_id: str) -> None:
         """The fact was deleted (or its blob dropped by an update): no bytes, no history."""
         with self._lock:
             self._drop(fact_id)
             self._hits.pop(fact_id, None)
             self._evicted_bytes.pop(fact_id, None)
+            self._changed.discard(fact_id)
 
     def holds(self, fact_id: str) -> bool:
         return fact_id in self._live

@@ -9,6 +9,11 @@ quantization that keeps slicing by token trivial.
   fp8   float8 e4m3 with a float16 scale per (layer, token, head)   ~1.9x smaller than bf16
   int8  symmetric int8, float16 scale per (layer, token, head)      ~1.9x smaller than bf16
   int4  asymmetric 4-bit (scale and minimum per (layer, token, head)), two per byte   ~3.6x smaller
+  k8v4  keys as int8, values as int4                                  ~2.6x smaller
+
+k8v4 is a blob-level codec (`role_codecs`): attention is more sensitive to key error, which
+every query's softmax sees, than to value error, which is averaged by the attention weights
+(the asymmetry KIVI reports), so keys keep 8 bits while values get 4.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import torch
 
 from kvmem.errors import InvalidInputError
 
-CODECS = ("none", "fp8", "int8", "int4")
+CODECS = ("none", "fp8", "int8", "int4", "k8v4")
+_ROLES = {"k8v4": ("int8", "int4")}  # blob codec -> (key codec, value codec) where they differ
+TENSOR_CODECS = tuple(c for c in CODECS if c not in _ROLES)  # what encode() takes
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _TINY = 2.0**-24  # smallest float16 subnormal: a scale never rounds to zero
 
@@ -28,6 +35,21 @@ def check_codec(name: str) -> str:
     if name not in CODECS:
         raise InvalidInputError(f"unknown KV codec {name!r}; choose one of {', '.join(CODECS)}")
     return name
+
+
+def role_codecs(codec: str) -> tuple[str, str]:
+    """A blob codec -> (the keys' tensor codec, the values')."""
+    return _ROLES.get(check_codec(codec), (codec, codec))
+
+
+def blob_codec(key_codec: str, value_codec: str) -> str:
+    """The inverse of role_codecs; ValueError for a pair no blob codec names."""
+    if key_codec == value_codec:
+        return key_codec
+    for codec, roles in _ROLES.items():
+        if roles == (key_codec, value_codec):
+            return codec
+    raise ValueError(f"keys in {key_codec}, values in {value_codec}: no blob codec stores that pair")
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,8 +83,9 @@ class Coded:
 
 
 def encode(t: torch.Tensor, codec: str) -> Coded:
-    """t [L, T, H, D] (the cache dtype) -> its coded form."""
-    check_codec(codec)
+    """t [L, T, H, D] (the cache dtype) -> its coded form (a tensor codec, not k8v4)."""
+    if check_codec(codec) in _ROLES:
+        raise ValueError(f"{codec} codes keys and values differently: encode each with role_codecs({codec!r})")
     if codec == "none":
         return Coded(codec, {"data": t.contiguous()})
     x = t.float()
@@ -101,5 +124,5 @@ def decode_parts(codec: str, parts: dict[str, torch.Tensor], dtype: torch.dtype 
 def bytes_per_token(codec: str, layers: int, heads: int, head_size: int, itemsize: int) -> int:
     """Stored bytes of one token's K and V under `codec` (itemsize: the cache dtype's)."""
     per_head = {"none": head_size * itemsize, "fp8": head_size + 2, "int8": head_size + 2,
-                "int4": head_size // 2 + 4}[check_codec(codec)]
-    return 2 * layers * heads * per_head
+                "int4": head_size // 2 + 4}
+    return layers * heads * sum(per_head[c] for c in role_codecs(codec))

@@ -190,13 +190,14 @@ def test_format_1_blobs_inject_beside_format_2_ones(tmp_path, rope, model_dir):
     assert torch.equal(got_v, torch.cat((v_old, v_new), dim=1))
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "k8v4"])
 def test_coded_blobs_are_encoded_and_decoded_on_their_way(tmp_path, rope, model_dir, codec):
     """Encode with a codec, inject where encoded: the cache gets the codec's decode of the keys."""
     from kvmem.engine.paged import slot_mapping
     from kvmem.engine.plan import ConnectorMeta, SaveJob, Span
-    from kvmem.kv.codec import encode
+    from kvmem.kv.codec import encode, role_codecs
 
+    keys, values = role_codecs(codec)
     side, rotator = worker(tmp_path, rope, model_dir, codec=codec), KeyRotator(rope)
     n = 9
     _, cached_k, value = _cached(5, n, 32, rotator)
@@ -213,6 +214,6 @@ def test_coded_blobs_are_encoded_and_decoded_on_their_way(tmp_path, rope, model_
         blob = side.store.get("f")
         got_k, got_v = _inject(side, {Span("f", 32, n): blob}, (4, 3))
     assert blob.codec == codec and blob.key_position == 32
-    assert torch.equal(got_k, encode(cached_k, codec).decode(torch.bfloat16))
-    assert torch.equal(got_v, encode(value, codec).decode(torch.bfloat16))
+    assert torch.equal(got_k, encode(cached_k, keys).decode(torch.bfloat16))
+    assert torch.equal(got_v, encode(value, values).decode(torch.bfloat16))
     assert not torch.equal(got_k, cached_k)  # lossy

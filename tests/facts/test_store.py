@@ -657,3 +657,14 @@ def test_a_schema_1_store_migrates_and_keeps_every_fact_in_order(path):
         assert [r.id for r in s.pending()] == [before[2].id]  # evicted facts wait for no encoder
     finally:
         s.close()
+
+
+def test_usage_counts_round_trip_and_leave_with_their_fact(store):
+    (a, _), (b, _) = store.add_many([{"text": t, "scope": ALICE} for t in ("one", "two")])
+    store.save_usage({a.id: 3, b.id: 1, "f-gone": 7})  # a fact deleted meanwhile is skipped
+    store.save_usage({a.id: 4})
+    assert store.usage() == {a.id: 4, b.id: 1}
+    store.delete(b.id)
+    assert store.usage() == {a.id: 4}
+    store.reset()
+    assert store.usage() == {}

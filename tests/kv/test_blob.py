@@ -6,7 +6,7 @@ from safetensors.torch import save
 
 from kvmem.errors import BlobError, InvalidInputError
 from kvmem.kv.blob import KVBlob, checksum, decode_blob, encode_blob
-from kvmem.kv.codec import encode
+from kvmem.kv.codec import encode, role_codecs
 from kvmem.kv.store import KVStore
 
 FP = "a" * 64
@@ -16,7 +16,8 @@ def make_blob(fact_id="f1", tokens=5, fp=FP, seed=0, codec="none", position=7):
     g = torch.Generator().manual_seed(seed)
     key = torch.randn(4, tokens, 3, 8, generator=g).to(torch.bfloat16)  # [L, T, H, D] as cached
     value = torch.randn(4, tokens, 3, 8, generator=g).to(torch.bfloat16)
-    return KVBlob(fact_id, fp, tuple(range(100, 100 + tokens)), encode(key, codec), encode(value, codec), position)
+    keys, values = role_codecs(codec)
+    return KVBlob(fact_id, fp, tuple(range(100, 100 + tokens)), encode(key, keys), encode(value, values), position)
 
 
 def test_round_trip_is_exact():
@@ -33,7 +34,7 @@ def test_a_blob_is_as_large_as_the_cache_it_holds():
     assert len(encode_blob(blob)) < blob.nbytes + 1200  # + the header (token ids, checksum)
 
 
-@pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4", "k8v4"])
 def test_coded_blobs_round_trip_their_parts_exactly(codec):
     blob = make_blob(codec=codec)
     back = decode_blob(encode_blob(blob), "f1", FP)

@@ -96,3 +96,16 @@ def test_a_quota_of_zero_evicts_every_blob_of_the_tenant():
     assert budget.admit("a", "u", 100) == ["a"]
     assert budget.admit("b", "u", 100) == ["b"]  # the tenant had no bytes left to count
     assert budget.tenant_bytes("u") == 0 and len(budget) == 0
+
+
+def test_saved_counts_rank_the_blobs_after_a_restart():
+    before = DiskBudget()
+    for f in "abc":
+        before.admit(f, "u", 100)
+    before.touch(["a", "c", "c"])
+    saved = before.changed_hits()
+    assert saved == {"a": 1, "c": 2} and before.changed_hits() == {}  # each change handed out once
+    after = DiskBudget(200)
+    after.remember(saved)
+    victims = [v for f in "abc" for v in after.admit(f, "u", 100)]
+    assert victims == ["b"]  # the least used, not the first counted

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvmem.errors import InvalidInputError
-from kvmem.kv.codec import CODECS, bytes_per_token, check_codec, encode
+from kvmem.kv.codec import CODECS, TENSOR_CODECS, blob_codec, bytes_per_token, check_codec, encode, role_codecs
 
 
 def kv_like(seed=0, shape=(3, 17, 2, 64)):
@@ -38,7 +38,7 @@ def test_none_is_the_tensor_itself():
     assert coded.decode() is coded.parts["data"] and torch.equal(coded.decode(), x)
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", TENSOR_CODECS)
 def test_token_slices_decode_to_the_same_values(codec):
     x = kv_like(1)
     coded = encode(x, codec)
@@ -49,7 +49,8 @@ def test_token_slices_decode_to_the_same_values(codec):
 @pytest.mark.parametrize("codec", CODECS)
 def test_bytes_per_token_is_what_a_coded_tensor_holds(codec):
     x = kv_like(2)
-    per_token = (encode(x, codec).nbytes * 2) // x.shape[1]  # K and V
+    keys, values = role_codecs(codec)
+    per_token = (encode(x, keys).nbytes + encode(x, values).nbytes) // x.shape[1]
     assert per_token == bytes_per_token(codec, 3, 2, 64, itemsize=2)
 
 
@@ -58,11 +59,21 @@ def test_sizes_against_the_cache():
     assert bf16 == 23_040  # SmolLM2-135M's own cache per token
     assert bf16 / bytes_per_token("int4", 30, 3, 64, 2) > 3.5
     assert bf16 / bytes_per_token("int8", 30, 3, 64, 2) > 1.9
+    assert bf16 / bytes_per_token("k8v4", 30, 3, 64, 2) > 2.5
+
+
+def test_k8v4_keeps_8_bit_keys_and_4_bit_values():
+    assert role_codecs("k8v4") == ("int8", "int4") and blob_codec("int8", "int4") == "k8v4"
+    assert role_codecs("int4") == ("int4", "int4") and blob_codec("fp8", "fp8") == "fp8"
+    with pytest.raises(ValueError, match="no blob codec"):
+        blob_codec("int4", "int8")
+    with pytest.raises(ValueError, match="role_codecs"):
+        encode(kv_like(), "k8v4")
 
 
 def test_zero_rows_survive():
     x = torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16)
-    for codec in CODECS:
+    for codec in TENSOR_CODECS:
         assert torch.equal(encode(x, codec).decode(torch.bfloat16), x)
 
 

@@ -71,5 +71,7 @@ def test_metrics_after_chats(server, openai_client):
 
     text = httpx.get(server.url + "/metrics").text
     for name in ("kvmem_chat_ttft_seconds_bucket{", 'mode="kv"', "kvmem_injected_tokens_total",
-                 "kvmem_fallbacks_total", "kvmem_encode_queue_depth", "kvmem_kv_store_bytes", "kvmem_facts "):
+                 "kvmem_fallbacks_total", "kvmem_encode_queue_depth", "kvmem_kv_store_bytes", "kvmem_facts ",
+                 'kvmem_kv_tier_hits_total{tier="disk"}', 'kvmem_kv_tier_misses_total{tier="ram"}',
+                 'kvmem_kv_tier_budget_bytes{tier="ram"}', "kvmem_kv_evictions_total", "kvmem_kv_readmissions_total"):
         assert name in text, name
