@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Iterator
 
-from kvmem.config import RETRIEVAL_MODES, Config
+from kvmem.config import RETRIEVAL_MODES, Config, KVConfig
 from kvmem.encoding import EncodeReport, Encoder, salt
 from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
 from kvmem.facts.messages import check_messages, turn_facts
@@ -35,7 +35,6 @@ from kvmem.index import Hit, validate_filters
 from kvmem.index import fusion
 from kvmem.index.lexical import LexicalIndex
 from kvmem.index.tiered import TieredIndex
-from kvmem.config import KVConfig
 from kvmem.kv.budget import DiskBudget
 from kvmem.kv.store import KVStore
 from kvmem.model import resolve_model

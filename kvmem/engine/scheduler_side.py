@@ -33,8 +33,8 @@ class Claim:
     facts_as_text: int  # segments served by text prefill because of that blob
     local_hit: int = 0
     claimed: int = 0
-    ram_hits: int = 0  # blobs already in the RAM tier when checked
-    disk_loads: int = 0  # blobs read from disk (into the RAM tier) when checked
+    ram_hits: int = 0  # blobs already in the shared RAM tier when checked
+    disk_loads: int = 0  # blobs read from disk into the shared RAM tier when checked (0 without one)
 
 
 @dataclass
@@ -142,7 +142,7 @@ class SchedulerSide:
         usable: list[Segment] = []
         end = 0
         fallbacks: dict[str, str] = {}
-        tiers = {True: 0, False: 0}  # in RAM already -> blobs
+        tiers = {True: 0, False: 0, None: 0}  # in RAM already (None: only checked) -> blobs
         for i, seg in enumerate(plan.segments):
             reason = self._unusable(seg, end, prompt, tiers)
             if reason is not None:

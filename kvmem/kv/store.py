@@ -100,12 +100,13 @@ class KVStore:
             self.disk_loads += 1
         return blob, False
 
-    def warm(self, fact_id: str) -> tuple[tuple[int, ...], bool]:
+    def warm(self, fact_id: str) -> tuple[tuple[int, ...], bool | None]:
         """-> (the blob's verified token ids, whether it was already in RAM), leaving the blob in
-        the RAM tier for the load that follows. Only checks (token_ids()) when there is no RAM
-        tier or no worker in this process to read it (vLLM's CPU backend runs the worker apart)."""
+        the RAM tier for the load that follows. Only checks (token_ids(); None for "in RAM") when
+        there is no RAM tier or no worker in this process to read it (vLLM's CPU backend runs the
+        worker apart)."""
         if self._hot_limit <= 0 or not self.worker_attached:
-            return self.token_ids(fact_id), False
+            return self.token_ids(fact_id), None
         blob, in_ram = self.fetch(fact_id)
         return blob.token_ids, in_ram
 

@@ -84,7 +84,7 @@ def test_codecs_bench_compares_every_codec_against_the_lossless_blobs(mem, tmp_p
 
     result = codecs.run(mem, data=locomo_path, prompts=4, k=3)
     rows = result["codecs"]
-    assert list(rows) == ["none", "fp8", "int8", "int4", "k8v4"]
+    assert list(rows) == ["none", "fp8", "int8", "int4", "k8v4", "k4v8"]
     none = rows["none"]
     assert none["k10_top1_agree_vs_lossless"] == 1.0 and none["k10_mean_kl_vs_lossless"] == 0.0
     assert none["k1_max_gap"] < 0.05  # injected where encoded: the engine's own cache, bit for bit

@@ -34,7 +34,7 @@ def test_a_blob_is_as_large_as_the_cache_it_holds():
     assert len(encode_blob(blob)) < blob.nbytes + 1200  # + the header (token ids, checksum)
 
 
-@pytest.mark.parametrize("codec", ["fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4", "k8v4", "k4v8"])
 def test_coded_blobs_round_trip_their_parts_exactly(codec):
     blob = make_blob(codec=codec)
     back = decode_blob(encode_blob(blob), "f1", FP)

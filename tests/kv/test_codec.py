@@ -59,14 +59,15 @@ def test_sizes_against_the_cache():
     assert bf16 == 23_040  # SmolLM2-135M's own cache per token
     assert bf16 / bytes_per_token("int4", 30, 3, 64, 2) > 3.5
     assert bf16 / bytes_per_token("int8", 30, 3, 64, 2) > 1.9
-    assert bf16 / bytes_per_token("k8v4", 30, 3, 64, 2) > 2.5
+    assert bf16 / bytes_per_token("k8v4", 30, 3, 64, 2) > 2.5 and bytes_per_token("k4v8", 30, 3, 64, 2) == 9_180
 
 
 def test_k8v4_keeps_8_bit_keys_and_4_bit_values():
     assert role_codecs("k8v4") == ("int8", "int4") and blob_codec("int8", "int4") == "k8v4"
+    assert role_codecs("k4v8") == ("int4", "int8") and blob_codec("int4", "int8") == "k4v8"
     assert role_codecs("int4") == ("int4", "int4") and blob_codec("fp8", "fp8") == "fp8"
     with pytest.raises(ValueError, match="no blob codec"):
-        blob_codec("int4", "int8")
+        blob_codec("int4", "fp8")
     with pytest.raises(ValueError, match="role_codecs"):
         encode(kv_like(), "k8v4")
 
