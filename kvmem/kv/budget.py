@@ -175,8 +175,23 @@ class DiskBudget:
         self._version += 1
         entry = _Entry(tenant, nbytes, self.age + 1 + self._hits.get(fact_id, 0), self._version)
         self._live[fact_id] = entry
+        if self.budget is None and self.quota is None:
+            return  # nothing is ever evicted: no order to keep
         self._all.push(fact_id, entry)
         self._tenants.setdefault(tenant, _Heap()).push(fact_id, entry)
+        if len(self._all.items) > 2 * len(self._live) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heaps from the live entries: every touch pushes a new entry and leaves the
+        old one to be dropped lazily, which a hot blob never is (it is never near the top)."""
+        self._all = _Heap([(e.priority, e.version, f) for f, e in self._live.items()])
+        heapq.heapify(self._all.items)
+        self._tenants = {}
+        for f, e in self._live.items():
+            self._tenants.setdefault(e.tenant, _Heap()).items.append((e.priority, e.version, f))
+        for heap in self._tenants.values():
+            heapq.heapify(heap.items)
 
     def _drop(self, fact_id: str) -> _Entry | None:
         entry = self._live.pop(fact_id, None)

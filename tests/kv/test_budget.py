@@ -109,3 +109,20 @@ def test_saved_counts_rank_the_blobs_after_a_restart():
     after.remember(saved)
     victims = [v for f in "abc" for v in after.admit(f, "u", 100)]
     assert victims == ["b"]  # the least used, not the first counted
+
+
+def test_the_eviction_order_stays_bounded_however_often_blobs_are_used():
+    """Each use re-files a blob; the old filings of hot blobs never reach the top of the order,
+    so without compaction they piled up for as long as the service ran."""
+    budget = DiskBudget(1_000)
+    for f in range(10):
+        budget.admit(str(f), "u", 100)
+    for _ in range(5_000):
+        budget.touch(["0", "1"])
+    assert len(budget._all.items) <= 2 * len(budget) + 1024
+    budget.touch(["2"] * 3)
+    assert budget.admit("new", "u", 100) == ["3"]  # the order survived the rebuilds
+    unlimited = DiskBudget()
+    unlimited.admit("a", "u", 100)
+    unlimited.touch(["a"] * 5_000)
+    assert unlimited._all.items == []  # nothing to order when nothing is ever evicted
