@@ -92,6 +92,6 @@ def test_codecs_bench_compares_every_codec_against_the_lossless_blobs(mem, tmp_p
     assert rows["int4"]["bytes_per_token"] < rows["int8"]["bytes_per_token"] < none["bytes_per_token"] / 1.9
     assert all(0 <= r["k10_top1_agree_vs_text"] <= 1 and r["kv_ttft_median_s"] > 0 for r in rows.values())
     # Each codec really injected its own blobs (no prefix-cache hit on another codec's blocks).
-    assert len({r["k10_mean_kl_vs_lossless"] for r in rows.values()}) == 4
+    assert len({r["k10_mean_kl_vs_lossless"] for r in rows.values()}) == len(rows)
     assert "int4" in codecs.report(result, tmp_path / "codecs") and (tmp_path / "codecs.json").exists()
     assert all(mem.get_all(user_id=u) == [] for u in [codecs.USER] + [f"{codecs.USER}-{c}" for c in rows])
