@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
