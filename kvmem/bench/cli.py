@@ -45,6 +45,8 @@ def add_parsers(sub) -> None:
     o.set_defaults(func=cmd_oracle)
     cd = bench.add_parser("codecs", help="KV codecs side by side: bytes/token, k=1 gap, k=10 agreement and KL")
     cd.add_argument("--prompts", type=int, default=60, help="k=10 prompts per codec (default: 60)")
+    cd.add_argument("--codecs", type=_codec_list, default=None,
+                    help="comma-separated codecs to compare (default: all; none is always run first)")
     _common(cd, "codecs")
     cd.set_defaults(func=cmd_codecs)
     rd = bench.add_parser("reader", help="where KV mode's answers part from text prefill: positions, header, "
@@ -81,6 +83,8 @@ def add_parsers(sub) -> None:
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")
     lc.add_argument("--ranking", choices=("hybrid", "dense", "lexical"), default=None,
                     help="retrieval ranking (default: the configured one, hybrid)")
+    lc.add_argument("--codecs", type=_codec_list, default=(),
+                    help="comma-separated KV codecs to answer with too, beside the lossless blobs (e.g. int8,int6)")
     _common(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
     rt = ev.add_parser("retrieval", help="LoCoMo evidence recall@5/10/20 per category: dense, lexical, hybrid")
@@ -157,7 +161,7 @@ def cmd_codecs(args, config) -> int:
     from kvmem.bench import codecs
 
     with _open(config, reader=False) as mem:
-        result = codecs.run(mem, data=args.data, prompts=args.prompts, seed=args.seed)
+        result = codecs.run(mem, data=args.data, prompts=args.prompts, seed=args.seed, codecs=args.codecs)
     print(codecs.report(result, (args.out or RESULTS) / "codecs"))
     return 0
 
@@ -206,11 +210,22 @@ def cmd_retrieval(args, config) -> int:
     return 0
 
 
+def _codec_list(text: str) -> tuple[str, ...]:
+    """"int8,int6" -> ("int8", "int6"); none is the lossless reference, always there."""
+    from kvmem.kv.codec import CODECS
+
+    codecs = tuple(c.strip() for c in text.split(",") if c.strip() and c.strip() != "none")
+    for codec in codecs:
+        if codec not in CODECS:
+            raise argparse.ArgumentTypeError(f"unknown KV codec {codec!r}; choose from {', '.join(CODECS)}")
+    return codecs
+
+
 def cmd_locomo(args, config) -> int:
     from kvmem.bench import eval_locomo, eval_report
 
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
-                                 seed=args.seed, workers=args.workers, ranking=args.ranking)
+                                 seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")

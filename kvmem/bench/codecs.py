@@ -22,19 +22,22 @@ from kvmem.bench.metrics import top20_kl
 from kvmem.bench.oracle import FACTS, QUESTIONS, logprob_gap
 from kvmem.bench.report import write_json
 from kvmem.kv.blob import KVBlob
-from kvmem.kv.codec import CODECS, encode, role_codecs
+from kvmem.kv.codec import CODECS, check_codec, encode, role_codecs
 
 USER = "bench-codecs"
 TUNING = ("conv-26", "conv-30", "conv-41")
 
 
-def run(mem, *, data: Path, prompts: int = 60, k: int = 10, seed: int = 0) -> dict:
+def run(mem, *, data: Path, prompts: int = 60, k: int = 10, seed: int = 0,
+        codecs: list[str] | None = None) -> dict:
+    """codecs: which to compare (default: all); none always runs first, as the lossless reference."""
     if mem.config.kv.codec != "none":
         raise SystemExit("run this bench with the default codec (none): it re-codes lossless originals")
+    chosen_codecs = ["none"] + [check_codec(c) for c in (codecs or CODECS) if c != "none"]
     convs = [c for c in locomo.load(data) if c["sample_id"] in TUNING]
     texts = FACTS + [o.text for c in convs for o in locomo.observations(c)][:200]
     questions = [q["question"] for c in convs for q in locomo.questions(c)]
-    users = [USER] + [f"{USER}-{codec}" for codec in CODECS]
+    users = [USER] + [f"{USER}-{codec}" for codec in chosen_codecs]
     for user in users:
         mem.delete_all(user_id=user)
     ids = list(mem.add(facts=texts, user_id=USER).ids)  # encoded once, losslessly
@@ -46,9 +49,7 @@ def run(mem, *, data: Path, prompts: int = 60, k: int = 10, seed: int = 0) -> di
     text = [_first(mem, USER, q, [ids[i] for i in chosen], "text")
             for chosen, q in tqdm(plan, desc="text prefill", unit="prompt")]
     rows = {}
-    for codec in CODECS:  # none first: the lossless reference for the others
-        # A user of its own per codec: same prompt tokens, but vLLM's prefix cache (salted per
-        # user) cannot hand one codec the blocks another codec's injection left behind.
+    for codec in chosen_codecs:  # none first: the lossless reference for the others
         user, own = _recoded_copy(mem, texts, originals, codec)
         k1 = [_first(mem, user, q, [own[i]], "kv") for i, q in k1_plan]
         kv, ttft = [], []
@@ -69,14 +70,24 @@ def _first(mem, user: str, q: str, fact_ids: list[str], mode: str) -> dict[int, 
     return mem.chat(q, user_id=user, fact_ids=fact_ids, mode=mode, max_tokens=1).first_logprobs
 
 
-def _recoded_copy(mem, texts: list[str], originals: list[KVBlob], codec: str) -> tuple[str, list[str]]:
-    """The facts again, for a user of this codec's own, with the original KV re-coded."""
-    user = f"{USER}-{codec}"
+def recoded_copy(mem, user: str, texts: list[str], originals: list[KVBlob], codec: str) -> list[str]:
+    """The facts again, for `user` alone, with their lossless KV re-coded in `codec`; the copies' ids.
+
+    A user of its own per codec: the prompts stay token for token the same, but vLLM's prefix
+    cache (salted per user) cannot hand one codec the blocks another codec's injection left.
+    """
+    mem.delete_all(user_id=user)
     own = list(mem.add(facts=texts, user_id=user, encode="none").ids)
     keys, values = role_codecs(codec)
     for fact_id, blob in zip(own, originals):
         mem.kv.put(KVBlob(fact_id, blob.fingerprint, blob.token_ids, encode(blob.key, keys),
                           encode(blob.value, values), blob.key_position))
+    return own
+
+
+def _recoded_copy(mem, texts: list[str], originals: list[KVBlob], codec: str) -> tuple[str, list[str]]:
+    user = f"{USER}-{codec}"
+    own = recoded_copy(mem, user, texts, originals, codec)
     mem.chat(QUESTIONS[0], user_id=user, fact_ids=own[:3], mode="kv", max_tokens=1)  # warm-up, not timed
     return user, own
 

@@ -2,6 +2,8 @@
 
 Per question (categories 1-4) the top-k facts are retrieved once and used, in stored order, by
 all three modes; each mode answers greedily and scores the gold answer by teacher forcing.
+With `codecs`, KV mode also answers from each codec's re-coding of the same lossless blobs
+(mode "kv_<codec>"), so codecs are compared on the same questions and text answers.
 Results are appended per question to a JSONL file, so an interrupted run resumes.
 """
 
@@ -40,6 +42,7 @@ class EvalConfig:
     max_tokens: int = 32
     workers: int = 4
     ranking: str | None = None  # None: the service's configured retrieval (hybrid by default)
+    codecs: tuple[str, ...] = ()  # KV codecs to answer with too, re-coded from the lossless blobs
 
     @property
     def window_size(self) -> int:
@@ -52,7 +55,8 @@ class EvalConfig:
         # A subset is part of the name, so resuming one run never mixes in another's questions.
         subset = "-" + "+".join(sorted(self.conversations)) if self.conversations else ""
         ranking = f"-{self.ranking}" if self.ranking else ""
-        return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}{ranking}"
+        codecs = "-codecs-" + "+".join(self.codecs) if self.codecs else ""
+        return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}{ranking}{codecs}"
 
 
 def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True) -> str:
@@ -107,7 +111,21 @@ def retrieve(mem, user: str, q: dict, cfg: EvalConfig) -> list:
     return sorted((mem.get(h.id) for h in hits), key=lambda r: (r.created_at, r.position or 0, r.id))
 
 
-def answer_question(mem, user: str, q: dict, cfg: EvalConfig) -> dict:
+def codec_copies(mem, user: str, codecs: tuple[str, ...]) -> dict[str, tuple[str, dict[str, str]]]:
+    """Per codec: (a user holding the facts re-coded in it, base fact id -> copy's fact id)."""
+    from kvmem.bench.codecs import recoded_copy
+
+    records = mem.get_all(user_id=user, limit=10_000)
+    originals = [mem.kv.get(r.id) for r in records]
+    copies = {}
+    for codec in codecs:
+        own = recoded_copy(mem, f"{user}-{codec}", [r.text for r in records], originals, codec)
+        copies[codec] = (f"{user}-{codec}", dict(zip((r.id for r in records), own)))
+    return copies
+
+
+def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | None = None) -> dict:
+    """copies: codec_copies() of the user, for the kv_<codec> modes."""
     records = retrieve(mem, user, q, cfg)
     ids = [r.id for r in records]
     found = set().union(*(dia_ids_of(r) for r in records)) if records else set()
@@ -123,7 +141,15 @@ def answer_question(mem, user: str, q: dict, cfg: EvalConfig) -> dict:
         lls = mem.score(q["question"], gold, user_id=user, fact_ids=ids, mode=engine_mode, reader=reader)
         row[mode] = {"answer": r.answer, "f1": locomo_f1(r.answer, gold, q["category"]),
                      "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s, "first": {str(t): v for t, v in r.first_logprobs.items()}}
-    for mode, suffix in (("kv", ""), ("kv_plain", "_plain")):
+    for codec, (copy_user, id_of) in (copies or {}).items():  # as served: with the reader, if any
+        copy_ids = [id_of[i] for i in ids]
+        r = mem.chat(q["question"], user_id=copy_user, fact_ids=copy_ids, mode="kv", max_tokens=cfg.max_tokens)
+        lls = mem.score(q["question"], gold, user_id=copy_user, fact_ids=copy_ids, mode="kv")
+        row[f"kv_{codec}"] = {"answer": r.answer, "f1": locomo_f1(r.answer, gold, q["category"]),
+                              "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s,
+                              "first": {str(t): v for t, v in r.first_logprobs.items()}}
+        row[f"top1_agree_lossless_{codec}"] = _first_token(row["kv"]["first"], row[f"kv_{codec}"]["first"])[0]
+    for mode, suffix in [("kv", ""), ("kv_plain", "_plain")] + [(f"kv_{c}", f"_{c}") for c in (copies or {})]:
         if mode in row:
             row["top1_agree" + suffix], row["kl_text_kv" + suffix] = _first_token(row["text"]["first"], row[mode]["first"])
     return row
@@ -144,14 +170,20 @@ def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
     log_path = out_dir / f"{cfg.name}.{mem.model.fingerprint[:12]}{reader}.jsonl"
     done = {json.loads(line)["key"] for line in log_path.open()} if log_path.exists() else set()
     convs = [c for c in locomo.load(cfg.data) if not cfg.conversations or c["sample_id"] in cfg.conversations]
-    jobs = []
+    if cfg.codecs and mem.config.kv.codec != "none":
+        raise SystemExit("comparing codecs re-codes lossless blobs: run with the default codec (none)")
+    jobs, copies = [], {}
     for conv in convs:
         user = build_memory(mem, conv, cfg)
         qs = locomo.sample_questions(conv, cfg.limit, cfg.seed)
-        jobs += [(user, conv["sample_id"], i, q) for i, q in qs if f"{conv['sample_id']}#{i}" not in done]
+        todo = [(user, conv["sample_id"], i, q) for i, q in qs if f"{conv['sample_id']}#{i}" not in done]
+        if todo and cfg.codecs:
+            copies[user] = codec_copies(mem, user, cfg.codecs)
+        jobs += todo
     with log_path.open("a") as log, ThreadPoolExecutor(cfg.workers) as pool, \
             tqdm(total=len(jobs), desc=f"eval {cfg.name}", unit="q") as bar:
-        futures = [(sid, i, pool.submit(answer_question, mem, user, q, cfg)) for user, sid, i, q in jobs]
+        futures = [(sid, i, pool.submit(answer_question, mem, user, q, cfg, copies.get(user)))
+                   for user, sid, i, q in jobs]
         for sid, i, fut in futures:
             row = fut.result()
             row.update(key=f"{sid}#{i}", conversation=sid)

@@ -28,8 +28,20 @@ def _group(rows: list[dict]) -> dict:
         out["f1_kv_plain"] = bootstrap_ci([r["kv_plain"]["f1"] for r in rows])
         out["ll_kv_plain"] = bootstrap_ci([r["kv_plain"]["ll"] for r in rows])
         out.update(_kv_fidelity(rows, "kv_plain", "_plain"))
+    for mode in codec_modes(rows):  # kv_<codec>: the same KV re-coded, same questions
+        out[f"f1_{mode}"] = bootstrap_ci([r[mode]["f1"] for r in rows])
+        out[f"ll_{mode}"] = bootstrap_ci([r[mode]["ll"] for r in rows])
+        out.update(_kv_fidelity(rows, mode, mode.removeprefix("kv")))
+        lossless = f"top1_agree_lossless{mode.removeprefix('kv')}"  # vs the lossless blobs' first token
+        out[lossless] = bootstrap_ci([float(r[lossless]) for r in rows if r.get(lossless) is not None])
     out["recall_at_k"] = bootstrap_ci([r["recall"] for r in rows if r["recall"] is not None])
     return out
+
+
+def codec_modes(rows: list[dict]) -> list[str]:
+    """The kv_<codec> modes every row has (an eval run with --codecs)."""
+    modes = [m for m in rows[0] if m.startswith("kv_") and m != "kv_plain" and isinstance(rows[0][m], dict)]
+    return [m for m in modes if all(m in r for r in rows)]
 
 
 def _kv_fidelity(rows: list[dict], mode: str, suffix: str) -> dict:
@@ -66,6 +78,18 @@ def markdown(summary: dict, title: str) -> str:
         lines += [f"| {name} | {_ci(g['f1_kv_plain'])} | {_ci(g['f1_retention_kv_plain'])} | {_ci(g['ll_kv_plain'])} | "
                   f"{_ci(g['ll_retention_kv_plain'])} | {_ci(g['top1_agree_plain'])} | {_ci(g['kl_text_kv_plain'])} |"
                   for name, g in summary.items()]
+    codecs = [m.removeprefix("f1_kv_") for m in summary["overall"] if m.startswith("f1_kv_") and m != "f1_kv_plain"]
+    if codecs:
+        lines += ["", "KV mode per codec (the same blobs re-coded, read as served), overall:", "",
+                  "| codec | F1 kv | F1 retention | LL kv | LL retention | top-1 agree | KL(text‖kv) | top-1 agree vs none |",
+                  "|" + "---|" * 8]
+        g = summary["overall"]
+        lines += [f"| none | {_ci(g['f1_kv'])} | {_ci(g['f1_retention_kv'])} | {_ci(g['ll_kv'])} | "
+                  f"{_ci(g['ll_retention_kv'])} | {_ci(g['top1_agree'])} | {_ci(g['kl_text_kv'])} | 1 |"]
+        lines += [f"| {c} | {_ci(g[f'f1_kv_{c}'])} | {_ci(g[f'f1_retention_kv_{c}'])} | {_ci(g[f'll_kv_{c}'])} | "
+                  f"{_ci(g[f'll_retention_kv_{c}'])} | {_ci(g[f'top1_agree_{c}'])} | {_ci(g[f'kl_text_kv_{c}'])} | "
+                  f"{_ci(g[f'top1_agree_lossless_{c}'])} |"
+                  for c in codecs]
     return "\n".join(lines)
 
 

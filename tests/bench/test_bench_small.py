@@ -79,12 +79,24 @@ def test_locomo_eval_never_resumes_from_another_models_log(mem, tmp_path, locomo
     assert (tmp_path / f"{cfg.name}.{mem.model.fingerprint[:12]}.jsonl").exists() and cfg.name.endswith("-dense")
 
 
+def test_locomo_eval_answers_with_each_codec_on_the_same_questions(mem, tmp_path, locomo_path):
+    cfg = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=2, workers=2, ranking="dense", codecs=("int4",))
+    rows = eval_locomo.run(mem, cfg, tmp_path)
+    assert len(rows) == 2 and cfg.name.endswith("-codecs-int4")
+    for r in rows:
+        assert r["kv_int4"]["ll"] < 0 and r["top1_agree_int4"] in (True, False)
+        # The copy served its own re-coded KV: int4's rounding shows against the lossless blobs.
+        assert r["kl_text_kv_int4"] != r["kl_text_kv"]
+        assert r["top1_agree_lossless_int4"] in (True, False)
+    assert "per codec" in eval_report.markdown(eval_report.summarize(rows), cfg.name)
+
+
 def test_codecs_bench_compares_every_codec_against_the_lossless_blobs(mem, tmp_path, locomo_path):
     from kvmem.bench import codecs
 
     result = codecs.run(mem, data=locomo_path, prompts=4, k=3)
     rows = result["codecs"]
-    assert list(rows) == ["none", "fp8", "int8", "int4", "k8v4", "k4v8"]
+    assert list(rows) == ["none", "fp8", "int8", "int4", "k8v4", "k4v8", "int7", "int6", "int4h", "k7v8"]
     none = rows["none"]
     assert none["k10_top1_agree_vs_lossless"] == 1.0 and none["k10_mean_kl_vs_lossless"] == 0.0
     assert none["k1_max_gap"] < 0.05  # injected where encoded: the engine's own cache, bit for bit

@@ -84,3 +84,21 @@ def test_eval_report_puts_kv_without_the_reader_adapter_beside_kv_with_it():
     assert "KV mode without the reader adapter" in markdown(summarize(rows), "t")
     assert "without the reader adapter" not in markdown(summarize([{k: v for k, v in rows[0].items()
                                                                      if "plain" not in k}]), "t")
+
+
+def test_eval_report_puts_each_codec_beside_the_lossless_blobs():
+    from kvmem.bench.eval_report import markdown, summarize
+
+    def mode(f1, ll):
+        return {"f1": f1, "ll": ll}
+
+    rows = [{"category": 1, "recall": 1.0, "top1_agree": True, "kl_text_kv": 0.05, "top1_agree_int6": False,
+             "kl_text_kv_int6": 0.3, "top1_agree_lossless_int6": True, "text": mode(0.5, -1.0), "kv": mode(0.5, -1.0), "kv_int6": mode(0.2, -2.5),
+             "off": mode(0.1, -3.0)}] * 3
+    overall = summarize(rows)["overall"]
+    assert abs(overall["f1_retention_kv_int6"][0] - 0.25) < 1e-9 and overall["ll_retention_kv_int6"][0] == 0.25
+    assert overall["top1_agree_int6"][0] == 0.0 and overall["kl_text_kv_int6"][0] == 0.3
+    assert overall["top1_agree_lossless_int6"][0] == 1.0
+    table = markdown(summarize(rows), "t")
+    assert "| int6 | 0.200" in table and "| none | 0.500" in table
+    assert "per codec" not in markdown(summarize([{k: v for k, v in rows[0].items() if "int6" not in k}]), "t")

@@ -190,7 +190,7 @@ def test_format_1_blobs_inject_beside_format_2_ones(tmp_path, rope, model_dir):
     assert torch.equal(got_v, torch.cat((v_old, v_new), dim=1))
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "k8v4", "k4v8"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "k8v4", "k4v8", "int7", "int6", "int4h", "k7v8"])
 def test_coded_blobs_are_encoded_and_decoded_on_their_way(tmp_path, rope, model_dir, codec):
     """Encode with a codec, inject where encoded: the cache gets the codec's decode of the keys."""
     from kvmem.engine.paged import slot_mapping

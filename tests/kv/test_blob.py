@@ -6,7 +6,7 @@ from safetensors.torch import save
 
 from kvmem.errors import BlobError, InvalidInputError
 from kvmem.kv.blob import KVBlob, checksum, decode_blob, encode_blob
-from kvmem.kv.codec import encode, role_codecs
+from kvmem.kv.codec import bytes_per_token, encode, role_codecs
 from kvmem.kv.store import KVStore
 
 FP = "a" * 64
@@ -34,7 +34,7 @@ def test_a_blob_is_as_large_as_the_cache_it_holds():
     assert len(encode_blob(blob)) < blob.nbytes + 1200  # + the header (token ids, checksum)
 
 
-@pytest.mark.parametrize("codec", ["fp8", "int8", "int4", "k8v4", "k4v8"])
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4", "k8v4", "k4v8", "int7", "int6", "int4h", "k7v8"])
 def test_coded_blobs_round_trip_their_parts_exactly(codec):
     blob = make_blob(codec=codec)
     back = decode_blob(encode_blob(blob), "f1", FP)
@@ -43,7 +43,9 @@ def test_coded_blobs_round_trip_their_parts_exactly(codec):
         mine, theirs = getattr(blob, role).parts, getattr(back, role).parts
         assert mine.keys() == theirs.keys()
         assert all(torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine)
-    assert torch.equal(back.key, blob.key) and blob.nbytes <= make_blob().nbytes * 0.625  # D = 8: scales weigh more than at 64
+    layers, tokens, heads, dim = blob.keys.shape
+    assert torch.equal(back.key, blob.key) and blob.nbytes == tokens * bytes_per_token(codec, layers, heads, dim, 2)
+    assert blob.nbytes < make_blob().nbytes * 0.7  # D = 8: scales weigh more than at 64
 
 
 def _format1_bytes(blob_id: str, key, value, token_ids, fp: str = FP) -> bytes:

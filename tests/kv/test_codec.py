@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvmem.errors import InvalidInputError
-from kvmem.kv.codec import CODECS, TENSOR_CODECS, blob_codec, bytes_per_token, check_codec, encode, role_codecs
+from kvmem.kv.codec import (CODECS, TENSOR_CODECS, blob_codec, bytes_per_token, check_codec, encode, hadamard,
+                            role_codecs)
 
 
 def kv_like(seed=0, shape=(3, 17, 2, 64)):
@@ -30,6 +31,46 @@ def test_round_trip_within_the_stated_error(codec):
     assert err <= BOUNDS[codec], f"{codec}: {err}"
     assert err > 0  # lossy codecs really are lossy: the bound is not vacuous
     assert coded.decode(torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("codec, levels", [("int7", 127), ("int6", 63), ("int4h", 15)])
+def test_rotated_codecs_are_within_half_a_level_in_the_rotated_frame(codec, levels):
+    x = kv_like()
+    back = encode(x, codec).decode()
+    h = hadamard(64)
+    y, y_back = x.float() @ h, back @ h  # H is its own inverse: y_back is what was quantized
+    level = (y.amax(-1, keepdim=True) - y.amin(-1, keepdim=True)) / levels
+    slack = 2**-9 * y.abs().amax(-1, keepdim=True)  # float16 scale and minimum
+    assert ((y_back - y).abs() <= 0.55 * level + slack).all()
+    assert not torch.equal(back, x.float())
+
+
+def rms_error(x, codec):
+    return ((encode(x, codec).decode() - x.float()).pow(2).mean() / x.float().pow(2).mean()).sqrt().item()
+
+
+def test_rotation_pays_on_an_outlier_channel():
+    x = kv_like(3)
+    assert rms_error(x, "int4h") < 0.5 * rms_error(x, "int4")
+    assert rms_error(x, "int6") < rms_error(x, "int8")  # 6 rotated bits beat 8 plain ones here
+    assert rms_error(x, "int7") < 0.6 * rms_error(x, "int6")
+
+
+@pytest.mark.parametrize("bits", [6, 7])
+def test_packing_round_trips_every_level(bits):
+    from kvmem.kv.codec import _pack, _unpack
+
+    q = torch.arange(2**bits, dtype=torch.uint8).repeat(4).reshape(1, 2, 2, 2**bits)  # every level, four times
+    packed = _pack(q, bits)
+    assert packed.shape[-1] == 2**bits * bits // 8 and torch.equal(_unpack(packed, bits).to(torch.uint8), q)
+
+
+@pytest.mark.parametrize("size", [64, 128, 80, 96])
+def test_hadamard_is_orthonormal_and_its_own_inverse(size):
+    h = hadamard(size)
+    assert torch.allclose(h @ h, torch.eye(size), atol=1e-5) and torch.equal(h, h.T)
+    x = kv_like(4, (1, 3, 2, size))
+    assert encode(x, "int6").decode().shape == x.shape  # head sizes that are not a power of two
 
 
 def test_none_is_the_tensor_itself():
@@ -60,11 +101,14 @@ def test_sizes_against_the_cache():
     assert bf16 / bytes_per_token("int4", 30, 3, 64, 2) > 3.5
     assert bf16 / bytes_per_token("int8", 30, 3, 64, 2) > 1.9
     assert bf16 / bytes_per_token("k8v4", 30, 3, 64, 2) > 2.5 and bytes_per_token("k4v8", 30, 3, 64, 2) == 9_180
+    assert bf16 / bytes_per_token("int6", 30, 3, 64, 2) > 2.4 and bytes_per_token("int4h", 30, 3, 64, 2) == 6_480
+    assert bf16 / bytes_per_token("k7v8", 30, 3, 64, 2) >= 2.0  # the "2x smaller again"
 
 
 def test_k8v4_keeps_8_bit_keys_and_4_bit_values():
     assert role_codecs("k8v4") == ("int8", "int4") and blob_codec("int8", "int4") == "k8v4"
     assert role_codecs("k4v8") == ("int4", "int8") and blob_codec("int4", "int8") == "k4v8"
+    assert role_codecs("k7v8") == ("int7", "int8") and blob_codec("int7", "int8") == "k7v8"
     assert role_codecs("int4") == ("int4", "int4") and blob_codec("fp8", "fp8") == "fp8"
     with pytest.raises(ValueError, match="no blob codec"):
         blob_codec("int4", "fp8")
