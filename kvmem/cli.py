@@ -278,6 +278,21 @@ def _scope_name(args: argparse.Namespace) -> str:
 # -- parsing ----------------------------------------------------------------------------------------
 
 
+def cmd_replica(args: argparse.Namespace, config: Config) -> int:
+    import shlex
+
+    from kvmem.engine import replica
+    from kvmem.model import resolve_model
+
+    model = resolve_model(config.engine.model, config.models_dir, config.engine.dtype)
+    cmd = replica.command(config, model, host=args.host, port=args.port)
+    env = replica.environment(config)
+    if args.print:
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
+        return 0
+    os.execve(cmd[0], cmd, {**os.environ, **env})  # the replica is vLLM's process from here on
+
+
 def _positive_int(value: str) -> int:
     n = int(value)
     if n < 1:
@@ -360,6 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Store a 12-turn conversation for a demo user, then ask three questions "
                                    "in text and KV mode with k=4 retrieved facts, timing both.")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("replica", help="run vLLM's stock OpenAI server with kvmem's connector (a replica)",
+                       description="Start vLLM's own OpenAI-compatible server with kvmem's KV connector, reading "
+                                   "and writing blobs in this home's KV folder. `kvmem serve` with "
+                                   "KVMEM_ENGINE_URL=http://HOST:PORT then sends its requests there instead "
+                                   "of starting vLLM itself.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=_positive_int, default=8000, help="port (default: 8000)")
+    p.add_argument("--print", action="store_true", help="print the command and environment, do not start it")
+    p.set_defaults(func=cmd_replica)
 
     sub.add_parser("serve", add_help=False,
                    help="HTTP server: OpenAI-compatible chat with memory and a Mem0-shaped memory API "

@@ -27,6 +27,8 @@ class EngineConfig:
       then starts ~4x faster (38 s instead of 158 s for SmolLM2 on 2 cores) at a cost of up to
       ~30% per request (docs/benchmarks.md; KVMEM_ENFORCE_EAGER=0 for a long-running CPU server),
       and keep them on GPUs (CUDA graphs make small decode steps much cheaper there).
+    url: a kvmem replica (`kvmem replica`: vLLM's stock OpenAI server with kvmem's connector) to
+      send requests to instead of starting vLLM in this process; it must share the KV folder.
     """
 
     model: str | None = None  # None: bundled SmolLM2-135M-Instruct; "gemma3-270m"; a folder; a hub id
@@ -39,6 +41,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     enforce_eager: bool | None = None
+    url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class Config:
                                                         EngineConfig.gpu_memory_utilization)),
             load_format=os.environ.get("KVMEM_LOAD_FORMAT", EngineConfig.load_format),
             enforce_eager=_tristate(os.environ.get("KVMEM_ENFORCE_EAGER", "")),
+            url=os.environ.get("KVMEM_ENGINE_URL") or None,
         )
         kv = KVConfig(codec=os.environ.get("KVMEM_KV_CODEC", KVConfig.codec),
                       reader_adapter=os.environ.get("KVMEM_READER_ADAPTER", KVConfig.reader_adapter),

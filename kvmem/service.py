@@ -81,6 +81,10 @@ class KVMem:
             offset += len(page)
 
     def _start_engine(self):
+        if self.config.engine.url:  # a replica serves (kvmem replica); no vLLM in this process
+            from kvmem.engine.remote import RemoteEngine
+
+            return RemoteEngine(self.config.engine.url, self.model, self.config.kv_dir)
         from kvmem.engine.llm import Engine
 
         return Engine(self.model, self.config)

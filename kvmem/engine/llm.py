@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 from kvmem.config import Config
 from kvmem.engine.plan import ENCODE, KEY, Plan
+from kvmem.engine.replica import transfer_config
 from kvmem.engine.support import take_refusal
 from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
@@ -292,18 +293,7 @@ def _start_llm(model: ModelInfo, config: Config, adapter: Path | None):
     from vllm.config import KVTransferConfig
 
     ec = config.engine
-    transfer = KVTransferConfig(
-        kv_connector="KvmemConnector",
-        kv_connector_module_path="kvmem.engine.connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "kv_dir": str(config.kv_dir),
-            "fingerprint": model.fingerprint,
-            "codec": config.kv.codec,
-            "hot_cache_mib": config.kv.hot_cache_mib,
-        },
-    )
+    transfer = KVTransferConfig(**transfer_config(config, model))  # the same settings a replica gets
     # LoRA is switched on only with an adapter: on the CPU backend it also turns graph compilation off.
     # Wrapping only the query projections keeps LoRA off lm_head, whose LoRA wrapper on vLLM's CPU
     # backend fails on prompt logprobs (scoring) when several requests share a step.

@@ -1,0 +1,77 @@
+"""A stock vLLM OpenAI server as a kvmem replica: the connector's settings and the command line.
+
+vLLM loads out-of-tree KV connectors by module path from `--kv-transfer-config`, so a replica is
+the unmodified API server (`python -m vllm.entrypoints.openai.api_server`) with kvmem's connector
+named there. The in-process engine (llm.py) and a replica use the same settings, built here.
+This module does not import vLLM: a gateway host without vLLM prints the command for another.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvmem.config import Config
+from kvmem.model import ModelInfo
+
+CONNECTOR = "KvmemConnector"
+CONNECTOR_MODULE = "kvmem.engine.connector"
+
+
+def transfer_config(config: Config, model: ModelInfo) -> dict:
+    """vLLM's KVTransferConfig fields for kvmem's connector (kv_both: it loads and saves)."""
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # a blob that fails to load is prefilled as text
+        "kv_connector_extra_config": {
+            "kv_dir": str(config.kv_dir),
+            "fingerprint": model.fingerprint,
+            "codec": config.kv.codec,
+            "hot_cache_mib": config.kv.hot_cache_mib,
+        },
+    }
+
+
+def served_name(model: ModelInfo) -> str:
+    """The model name a replica serves: the fingerprint's, so a gateway can tell a replica of
+    other weights (whose blobs would not fit) from its own."""
+    return f"kvmem-{model.fingerprint[:16]}"
+
+
+def command(config: Config, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000,
+            python: str = sys.executable) -> list[str]:
+    """The replica's command line: vLLM's own API server, kvmem's connector, kvmem's cache layout.
+
+    Prefix caching stays on (it is what keeps a user's facts hot between turns); prompt token
+    details report how many prompt tokens the cache and the connector supplied; tokens come back
+    as ids, since the gateway tokenizes.
+    """
+    ec = config.engine
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model.path), "--served-model-name", served_name(model),
+           "--host", host, "--port", str(port), "--dtype", model.dtype,
+           "--block-size", str(ec.block_size), "--max-model-len", str(ec.max_model_len),
+           "--max-num-seqs", str(ec.max_num_seqs), "--gpu-memory-utilization", str(ec.gpu_memory_utilization),
+           "--seed", str(ec.seed), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+           "--return-tokens-as-token-ids", "--kv-transfer-config", json.dumps(transfer_config(config, model))]
+    if ec.load_format != "auto":
+        cmd += ["--load-format", ec.load_format]
+    if ec.enforce_eager or (ec.enforce_eager is None and _cpu_only()):
+        cmd.append("--enforce-eager")
+    return cmd
+
+
+def environment(config: Config) -> dict[str, str]:
+    """Variables the replica needs besides its command line (the CPU backend's KV cache size)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(config.engine.cpu_kv_space_gib)}
+
+
+def _cpu_only() -> bool:
+    """No CUDA device here (torch is there wherever vLLM is; without torch, assume a GPU host)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return not torch.cuda.is_available()

@@ -1,0 +1,127 @@
+"""A stock vLLM OpenAI server started by `kvmem replica`, and the service talking to it over HTTP.
+
+The replica is vLLM's own API server process with kvmem's connector named in
+--kv-transfer-config; the service in this process runs no vLLM (RemoteEngine). Oracle: a fact
+encoded through the replica and injected through it gives the first token's logprobs of text
+prefill of the same prompt (k=1, injected where encoded: exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from kvmem.config import Config, KVConfig, default_home
+from kvmem.engine import replica
+from kvmem.engine.llm import EngineRequest
+from kvmem.errors import EngineError
+from kvmem.model import resolve_model
+
+START_S = 600  # a cold CPU start imports vLLM and loads the model: ~1 minute here, more on CI
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(config with engine.url set, the replica's process): one replica for the module."""
+    home = tmp_path_factory.mktemp("replica-home")
+    port = _free_port()
+    config = Config(home=home, models_home=default_home() / "models", kv=KVConfig(reader_adapter="off"))
+    # A small share of host memory: the suite's in-process engine may be running beside it.
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, gpu_memory_utilization=0.1))
+    env = {**os.environ, "KVMEM_GPU_MEMORY_UTILIZATION": "0.1", "KVMEM_HOME": str(home)}
+    log = (home / "replica.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvmem.cli", "--home", str(home), "--models-home",
+                             str(config.models_dir), "replica", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the replica exited with {proc.returncode}: {(home / 'replica.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(2)
+    else:
+        pytest.fail("the replica did not start in time")
+    yield dataclasses.replace(config, engine=dataclasses.replace(config.engine, url=url)), proc
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def remote_mem(served):
+    from kvmem.service import KVMem
+
+    config, _ = served
+    with KVMem(config, background=False) as mem:
+        yield mem
+
+
+def test_the_printed_command_is_the_stock_server_with_kvmem_s_connector(tmp_path):
+    config = Config(home=tmp_path, models_home=default_home() / "models")
+    model = resolve_model(None, config.models_dir)
+    cmd = replica.command(config, model, port=8123)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--port" in cmd and "8123" in cmd
+    transfer = replica.transfer_config(config, model)
+    assert cmd[cmd.index("--kv-transfer-config") + 1].count(model.fingerprint) == 1
+    assert transfer["kv_connector_module_path"] == "kvmem.engine.connector"
+    assert transfer["kv_connector_extra_config"]["kv_dir"] == str(tmp_path / "kv")
+
+
+def test_facts_encoded_and_injected_through_the_replica_match_text_prefill(remote_mem):
+    from kvmem.engine.remote import RemoteEngine
+
+    assert isinstance(remote_mem.engine, RemoteEngine)
+    user = f"u-{uuid.uuid4().hex[:8]}"  # a salt no earlier prompt used: nothing comes from the prefix cache
+    added = remote_mem.add(facts=["My dog is called Biscuit and loves carrots.", "I live in Porto."], user_id=user)
+    assert added.encode.encoded == 2 and all(remote_mem.kv.get(i).num_tokens > 0 for i in added.ids)
+    ids = [added.ids[0]]
+    kv = remote_mem.chat("What is my dog called?", user_id=user, fact_ids=ids, mode="kv", max_tokens=4, logprobs=5)
+    text = remote_mem.chat("What is my dog called?", user_id=user, fact_ids=ids, mode="text", max_tokens=4, logprobs=5)
+    assert kv.injected_tokens > 0 and kv.fallbacks == 0  # the replica's connector loaded our blobs
+    assert kv.first_logprobs.keys() == text.first_logprobs.keys()
+    assert max(abs(kv.first_logprobs[t] - text.first_logprobs[t]) for t in kv.first_logprobs) < 1e-3
+    assert kv.token_ids == text.token_ids and kv.answer == text.answer
+
+
+def test_a_streamed_chat_through_the_replica_sends_text_then_the_result(remote_mem):
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    remote_mem.add(facts=["I paint watercolours of old buildings."], user_id=user)
+    pieces = list(remote_mem.chat_stream("What do I paint?", user_id=user, mode="kv", max_tokens=6))
+    texts, result = [p for p in pieces if isinstance(p, str)], pieces[-1]
+    assert texts and "".join(texts).strip() == result.answer and 0 < len(result.token_ids) <= 6
+
+
+def test_a_replica_of_other_weights_is_refused(served, remote_mem):
+    from kvmem.engine.remote import RemoteEngine
+
+    config, _ = served
+    other = dataclasses.replace(remote_mem.model, fingerprint="0" * 64)
+    with pytest.raises(EngineError, match="not kvmem-0000"):
+        RemoteEngine(config.engine.url, other, config.kv_dir)
+
+
+def test_scoring_through_a_replica_is_refused_clearly(remote_mem):
+    with pytest.raises(EngineError, match="in-process engine"):
+        remote_mem.engine.run([EngineRequest((1, 2, 3), "s", 1, score_last=1)])
