@@ -50,8 +50,9 @@ class KVConfig:
 
     codec: how blobs hold K and V (kv/codec.py): "none" keeps the cache's dtype bit for bit (a
       fact served where it was encoded is exact); "fp8" and "int8" are ~1.9x smaller, "k8v4"
-      (int8 keys, int4 values) and "k4v8" (the reverse) ~2.5x, "int6" (Hadamard-rotated
-      6-bit) ~2.5x, "int4" and "int4h" (rotated) ~3.6x, each decoded at injection (fidelity per
+      (int8 keys, int4 values) and "k4v8" (the reverse) ~2.5x, "k7v8" (Hadamard-rotated 7-bit
+      keys, int8 values; the lossy codec the numbers support) 2.03x, "int7"/"int6" (rotated)
+      2.1x/2.5x, "int4" and "int4h" (rotated) ~3.6x, each decoded at injection (fidelity per
       codec: docs/benchmarks.md).
     hot_cache_mib: the RAM tier: decoded blobs kept in the engine process (LRU), which the
       scheduler fills when it checks a request's blobs, so the forward pass reads them from RAM.
