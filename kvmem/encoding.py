@@ -81,7 +81,7 @@ class Encoder:
         for r in records:
             prompt = self.prompts.encoding(r.id, self.prompts.fact_tokens(r.text), self.prompts.context_tokens(r.context))
             requests.append(EngineRequest(prompt.token_ids, salt("encode", r.scope.user_id), 1,
-                                          Plan(ENCODE, prompt.segments)))
+                                          Plan(ENCODE, prompt.segments), route=r.scope.user_id))
         try:
             self.engine.run(requests)
         except Exception:  # noqa: BLE001 - the facts stay pending/failed and are retried

@@ -376,7 +376,8 @@ class KVMem:
                                     f"exceeds the model's {self.config.engine.max_model_len}")
         plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
         # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
-        request = EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs, reader=mode == "kv")
+        request = EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs, reader=mode == "kv",
+                                route=user_id)
         return facts, request, retrieval_s
 
     def _check_fits(self, messages: list[dict]) -> None:

@@ -48,6 +48,7 @@ class EngineRequest:
     logprobs: int | None = None  # top-n logprobs per generated token
     score_last: int = 0  # >0: return the logprobs of the last n prompt tokens (teacher forcing)
     reader: bool = False  # read with the reader adapter (KV-mode chats), where the engine has one
+    route: str = ""  # whose request (the user): a RemoteEngine sends a user's requests to one replica
 
 
 @dataclass(frozen=True)

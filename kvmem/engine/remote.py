@@ -1,11 +1,17 @@
-"""`RemoteEngine`: the engine interface of llm.Engine, served by a kvmem replica over HTTP.
+"""`RemoteEngine`: the engine interface of llm.Engine, served by kvmem replicas over HTTP.
 
 A replica is vLLM's stock OpenAI server with kvmem's connector (replica.py). The service then
 runs no vLLM itself: it retrieves, assembles the segment-tokenized prompt, and sends the token
-ids, the plan (`kv_transfer_params`) and the cache salt to the replica's /v1/completions. The
+ids, the plan (`kv_transfer_params`) and the cache salt to a replica's /v1/completions. The
 replica's worker reads and writes blobs in the KV folder it was started with, which this process
 must see too (the same folder on one host); encodes resolve once their blobs are there, as they
 do in process.
+
+With several replicas, each user's requests go to one of them, chosen by rendezvous hashing of
+the user id (so that replica's prefix cache and RAM tier stay warm for them, and adding or
+losing a replica moves only the users it had). A replica that refuses connections or answers
+502/503 is passed over for DOWN_S seconds and the request goes to the user's next choice;
+with none left the request fails with EngineError (HTTP 503 at the server).
 
 What the HTTP API cannot carry: streamed responses have no `kv_transfer_params`, so a streamed
 chat reports no injection accounting; scoring (prompt logprobs over cached tokens) needs the
@@ -15,11 +21,13 @@ reports the whole latency as TTFT. Chats read without the reader adapter.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import httpx
@@ -34,28 +42,81 @@ from kvmem.model import ModelInfo
 log = logging.getLogger(__name__)
 
 BLOB_POLL_S = 0.005
+DOWN_S = 10.0  # how long a replica that failed is passed over
+_FAILOVER = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_RETRY_STATUS = (502, 503)
+
+
+def rendezvous(key: str, urls: list[str]) -> list[str]:
+    """`urls` in `key`'s order of preference (highest random weight first)."""
+    return sorted(urls, key=lambda u: hashlib.blake2b(f"{key}\0{u}".encode(), digest_size=8).digest(), reverse=True)
 
 
 class RemoteEngine:
-    def __init__(self, url: str, model: ModelInfo, kv_dir, *, timeout_s: float = 600.0, workers: int = 32) -> None:
-        self.url = url.rstrip("/")
+    def __init__(self, urls: str | list[str], model: ModelInfo, kv_dir, *, timeout_s: float = 600.0,
+                 workers: int = 32) -> None:
+        """urls: one replica's base URL, several in a list or comma-separated."""
+        self.urls = [u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls) if u.strip()]
+        if not self.urls:
+            raise EngineError("no replica URL given")
         self.model = model
         self.name = served_name(model)
         self.reader_adapter = None
         self.aborted = 0
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.failovers = 0  # requests sent to a user's second (or later) choice
+        self._down: dict[str, float] = {}  # url -> until when it is passed over
+        self._http = httpx.Client(timeout=timeout_s)
         self._blobs = KVStore(kv_dir, model.fingerprint, hot_cache_bytes=0)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvmem-remote")
-        self._check_model()
+        self._check_models()
 
-    def _check_model(self) -> None:
-        try:
-            served = [m["id"] for m in self._http.get("/v1/models").raise_for_status().json()["data"]]
-        except (httpx.HTTPError, KeyError, ValueError) as e:
-            raise EngineError(f"no kvmem replica answers at {self.url}: {e}") from e
-        if self.name not in served:
-            raise EngineError(f"the replica at {self.url} serves {served}, not {self.name}: it runs other "
-                              f"weights (or was not started with `kvmem replica`), whose KV would not fit ours")
+    def _check_models(self) -> None:
+        """At least one replica must answer, and every one that does must serve our weights."""
+        errors = []
+        for url in self.urls:
+            try:
+                served = [m["id"] for m in self._http.get(f"{url}/v1/models").raise_for_status().json()["data"]]
+            except (httpx.HTTPError, KeyError, ValueError) as e:
+                errors.append(f"{url}: {e}")
+                self._down[url] = time.monotonic() + DOWN_S
+                continue
+            if self.name not in served:
+                raise EngineError(f"the replica at {url} serves {served}, not {self.name}: it runs other weights "
+                                  f"(or was not started with `kvmem replica`), whose KV would not fit ours")
+        if len(errors) == len(self.urls):
+            raise EngineError(f"no kvmem replica answers: {'; '.join(errors)}")
+        for error in errors:
+            log.warning("replica down at start: %s", error)
+
+    def route(self, key: str) -> list[str]:
+        """Replicas to try for this user, best first; those passed over lately go last."""
+        now = time.monotonic()
+        order = rendezvous(key, self.urls)
+        return [u for u in order if self._down.get(u, 0) <= now] + [u for u in order if self._down.get(u, 0) > now]
+
+    def _send(self, request: EngineRequest, body: dict, stream: bool = False):
+        """POST to the user's replicas in turn until one answers; -> (url, response)."""
+        errors = []
+        for i, url in enumerate(self.route(request.route)):
+            try:
+                if stream:
+                    response = self._http.send(self._http.build_request("POST", f"{url}/v1/completions", json=body),
+                                               stream=True)
+                else:
+                    response = self._http.post(f"{url}/v1/completions", json=body)
+            except _FAILOVER as e:
+                errors.append(f"{url}: {e!r}")
+            except httpx.HTTPError as e:  # a timeout: the replica may still be working on it
+                raise EngineError(f"replica {url} failed: {e!r}") from e
+            else:
+                if response.status_code not in _RETRY_STATUS:
+                    self.failovers += i > 0
+                    return url, response
+                errors.append(f"{url}: HTTP {response.status_code}")
+                response.close()
+            self._down[url] = time.monotonic() + DOWN_S
+            log.warning("replica %s failed (%s); trying the next one", url, errors[-1])
+        raise EngineError(f"no replica answered: {'; '.join(errors)}")
 
     def submit(self, request: EngineRequest, on_text: Callable[[str], None] | None = None) -> Future:
         """Send one request; the future resolves to its EngineResult (on_text is not called)."""
@@ -78,36 +139,25 @@ class RemoteEngine:
     def stream(self, request: EngineRequest, cancel: threading.Event | None = None) -> Iterator[str | EngineResult]:
         """Text deltas as the replica sends them, then the EngineResult (without connector accounting)."""
         start = time.perf_counter()
-        first, text, ids = None, [], []
         body = self._body(request) | {"stream": True, "stream_options": {"include_usage": True}}
-        usage = {}
-        with self._http.stream("POST", "/v1/completions", json=body) as response:
+        _, response = self._send(request, body, stream=True)
+        got = _Streamed()
+        try:
             _raise_for(response, read=True)
-            for line in response.iter_lines():
-                if cancel is not None and cancel.is_set():
-                    raise RequestCancelled("the stream was cancelled before it finished")
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices", []):
-                    first = first or time.perf_counter()
-                    ids += _token_ids(choice)
-                    if choice.get("text"):
-                        text.append(choice["text"])
-                        yield choice["text"]
+            yield from got.deltas(response, cancel)
+        except httpx.HTTPError as e:  # the replica died mid-answer: too late to send it elsewhere
+            raise EngineError(f"the replica failed while streaming: {e!r}") from e
+        finally:
+            response.close()
         done = time.perf_counter()
-        yield EngineResult(tuple(ids), "".join(text), (first or done) - start, done - start,
-                           usage.get("prompt_tokens", len(request.token_ids)), _cached(usage))
+        yield EngineResult(tuple(got.ids), "".join(got.text), (got.first or done) - start, done - start,
+                           got.usage.get("prompt_tokens", len(request.token_ids)), _cached(got.usage))
 
     def _complete(self, request: EngineRequest) -> EngineResult:
         stamps = {s.fact_id: self._blobs.stamp(s.fact_id) for s in request.plan.segments} \
             if request.plan and request.plan.op == ENCODE else {}
         start = time.perf_counter()
-        try:
-            response = self._http.post("/v1/completions", json=self._body(request))
-        except httpx.HTTPError as e:
-            raise EngineError(f"replica {self.url} failed: {e}") from e
+        _, response = self._send(request, self._body(request))
         _raise_for(response)
         done = time.perf_counter()
         body = response.json()
@@ -141,13 +191,38 @@ class RemoteEngine:
     def reset_prefix_cache(self) -> bool:
         """vLLM serves /reset_prefix_cache only in its dev mode (VLLM_SERVER_DEV_MODE=1)."""
         try:
-            return self._http.post("/reset_prefix_cache").status_code == 200
+            return all(self._http.post(f"{u}/reset_prefix_cache").status_code == 200 for u in self.urls)
         except httpx.HTTPError:
             return False
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
+
+
+@dataclass
+class _Streamed:
+    """What a streamed completion has sent so far."""
+
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    usage: dict = field(default_factory=dict)
+    first: float | None = None  # when the first token arrived
+
+    def deltas(self, response: httpx.Response, cancel: threading.Event | None) -> Iterator[str]:
+        for line in response.iter_lines():
+            if cancel is not None and cancel.is_set():
+                raise RequestCancelled("the stream was cancelled before it finished")
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            self.usage = chunk.get("usage") or self.usage
+            for choice in chunk.get("choices", []):
+                self.first = self.first or time.perf_counter()
+                self.ids += _token_ids(choice)
+                if choice.get("text"):
+                    self.text.append(choice["text"])
+                    yield choice["text"]
 
 
 def _raise_for(response: httpx.Response, read: bool = False) -> None:
