@@ -16,15 +16,17 @@ quantization that keeps slicing by token trivial.
   int4h the same at 4 bits (int4's layout)                            ~3.6x smaller
   k7v8  keys as int7, values as int8                                  ~2.03x smaller
 
-Rotated codecs (int6, int4h; QuaRot's trick): keys have a few outlier channels, so a per-token
+Rotated codecs (int7, int6, int4h; QuaRot's trick): keys have a few outlier channels, so a per-token
 scale set by the largest one leaves the other channels a handful of levels. An orthonormal
 Hadamard transform of each head vector spreads every channel over all of them; the range shrinks
 to a few standard deviations and the levels go where the mass is. Decoding multiplies by the same
 matrix (it is its own inverse), on the cache's device, before the keys are re-rotated (RoPE).
 
-k8v4 and k4v8 are blob-level codecs (`role_codecs`) that spend the bits on one role (KIVI
-reports keys as the sensitive one). On the bundled model, with these per-token scales, 4 bits
-cost about as much agreement in either role (docs/benchmarks.md): int8 stays the lossy choice.
+k8v4, k4v8 and k7v8 are blob-level codecs (`role_codecs`) that code keys and values apart.
+On the bundled model 4 bits cost about as much agreement in either role, and rotation pays on
+keys (outlier channels) but hardly on values, so k7v8 (rotated 7-bit keys, int8 values) is the
+lossy choice: 2.03x smaller than the cache, first-token agreement 0.97 with the lossless blobs
+(docs/benchmarks.md). The default stays none, the only codec that keeps k=1 exact.
 """
 
 from __future__ import annotations
@@ -154,9 +156,10 @@ def _unpack4(data: torch.Tensor) -> torch.Tensor:
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """[..., D] levels below 2^bits -> [..., D * bits / 8] uint8: each 8 values in `bits` bytes,
     the first value in the lowest bits of a little-endian word."""
+    dev = q.device
     values = q.long().unflatten(-1, (-1, 8))  # [..., D/8, 8]
-    word = (values << (bits * torch.arange(8))).sum(-1, keepdim=True)  # [..., D/8, 1]; at most 56 bits
-    return ((word >> (8 * torch.arange(bits))) & 0xFF).flatten(-2).to(torch.uint8)
+    word = (values << (bits * torch.arange(8, device=dev))).sum(-1, keepdim=True)  # [..., D/8, 1]; <= 56 bits
+    return ((word >> (8 * torch.arange(bits, device=dev))) & 0xFF).flatten(-2).to(torch.uint8)
 
 
 def _unpack(data: torch.Tensor, bits: int) -> torch.Tensor:
