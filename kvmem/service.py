@@ -84,7 +84,8 @@ class KVMem:
         if self.config.engine.url:  # a replica serves (kvmem replica); no vLLM in this process
             from kvmem.engine.remote import RemoteEngine
 
-            return RemoteEngine(self.config.engine.url, self.model, self.config.kv_dir)
+            return RemoteEngine(self.config.engine.url, self.model, self.config.kv_dir,
+                                use_reader=self.config.kv.reader_adapter != "off")
         from kvmem.engine.llm import Engine
 
         return Engine(self.model, self.config)

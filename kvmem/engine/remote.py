@@ -16,7 +16,8 @@ with none left the request fails with EngineError (HTTP 503 at the server).
 What the HTTP API cannot carry: streamed responses have no `kv_transfer_params`, so a streamed
 chat reports no injection accounting; scoring (prompt logprobs over cached tokens) needs the
 in-process engine; and a response gives no first-token time unless it is streamed, so `run`
-reports the whole latency as TTFT. Chats read without the reader adapter.
+reports the whole latency as TTFT. KV-mode chats read with the reader adapter when the replica
+serves it (`kvmem replica` loads the one found for the model) and `use_reader` allows it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import httpx
 
 from kvmem.engine.llm import BLOB_WAIT_S, EngineRequest, EngineResult
 from kvmem.engine.plan import ENCODE, KEY
-from kvmem.engine.replica import served_name
+from kvmem.engine.replica import reader_name, served_name
 from kvmem.errors import EngineError, RequestCancelled
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
@@ -53,15 +54,17 @@ def rendezvous(key: str, urls: list[str]) -> list[str]:
 
 
 class RemoteEngine:
-    def __init__(self, urls: str | list[str], model: ModelInfo, kv_dir, *, timeout_s: float = 600.0,
-                 workers: int = 32) -> None:
-        """urls: one replica's base URL, several in a list or comma-separated."""
+    def __init__(self, urls: str | list[str], model: ModelInfo, kv_dir, *, use_reader: bool = True,
+                 timeout_s: float = 600.0, workers: int = 32) -> None:
+        """urls: one replica's base URL, several in a list or comma-separated. use_reader: False
+        (reader_adapter "off") keeps KV-mode chats on the plain model even where a replica has one."""
         self.urls = [u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls) if u.strip()]
         if not self.urls:
             raise EngineError("no replica URL given")
         self.model = model
         self.name = served_name(model)
-        self.reader_adapter = None
+        self.reader_adapter: str | None = None  # the replica's LoRA module name, once seen there
+        self._use_reader = use_reader
         self.aborted = 0
         self.failovers = 0  # requests sent to a user's second (or later) choice
         self._down: dict[str, float] = {}  # url -> until when it is passed over
@@ -83,6 +86,8 @@ class RemoteEngine:
             if self.name not in served:
                 raise EngineError(f"the replica at {url} serves {served}, not {self.name}: it runs other weights "
                                   f"(or was not started with `kvmem replica`), whose KV would not fit ours")
+            if self._use_reader and reader_name(self.model) in served:
+                self.reader_adapter = reader_name(self.model)
         if len(errors) == len(self.urls):
             raise EngineError(f"no kvmem replica answers: {'; '.join(errors)}")
         for error in errors:
@@ -151,7 +156,8 @@ class RemoteEngine:
             response.close()
         done = time.perf_counter()
         yield EngineResult(tuple(got.ids), "".join(got.text), (got.first or done) - start, done - start,
-                           got.usage.get("prompt_tokens", len(request.token_ids)), _cached(got.usage))
+                           got.usage.get("prompt_tokens", len(request.token_ids)), _cached(got.usage),
+                           adapter=bool(request.reader and self.reader_adapter))
 
     def _complete(self, request: EngineRequest) -> EngineResult:
         stamps = {s.fact_id: self._blobs.stamp(s.fact_id) for s in request.plan.segments} \
@@ -170,12 +176,14 @@ class RemoteEngine:
             latency_s=done - start, prompt_tokens=usage.get("prompt_tokens", len(request.token_ids)),
             cached_tokens=_cached(usage), connector=(body.get("kv_transfer_params") or {}).get(KEY, {}),
             first_logprobs={_id(t): lp for t, lp in top.items()} if request.logprobs else {},
+            adapter=bool(request.reader and self.reader_adapter),
         )
 
     def _body(self, request: EngineRequest) -> dict:
         if request.score_last:
             raise EngineError("scoring needs prompt logprobs over cached tokens: use the in-process engine")
-        body = {"model": self.name, "prompt": list(request.token_ids), "max_tokens": request.max_tokens,
+        model = self.reader_adapter if request.reader and self.reader_adapter else self.name
+        body = {"model": model, "prompt": list(request.token_ids), "max_tokens": request.max_tokens,
                 "temperature": 0.0, "cache_salt": request.salt, "logprobs": request.logprobs or 0}
         if request.plan is not None:
             body["kv_transfer_params"] = request.plan.to_params()

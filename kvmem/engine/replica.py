@@ -13,6 +13,8 @@ import sys
 
 from kvmem.config import Config
 from kvmem.model import ModelInfo
+from kvmem.reader import adapters
+from kvmem.reader.lora import TARGET as LORA_TARGET, lora_rank
 
 CONNECTOR = "KvmemConnector"
 CONNECTOR_MODULE = "kvmem.engine.connector"
@@ -40,13 +42,19 @@ def served_name(model: ModelInfo) -> str:
     return f"kvmem-{model.fingerprint[:16]}"
 
 
+def reader_name(model: ModelInfo) -> str:
+    """The name a replica serves the model's reader adapter under (a LoRA module)."""
+    return f"{served_name(model)}-reader"
+
+
 def command(config: Config, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000,
             python: str = sys.executable) -> list[str]:
     """The replica's command line: vLLM's own API server, kvmem's connector, kvmem's cache layout.
 
     Prefix caching stays on (it is what keeps a user's facts hot between turns); prompt token
     details report how many prompt tokens the cache and the connector supplied; tokens come back
-    as ids, since the gateway tokenizes.
+    as ids, since the gateway tokenizes. The reader adapter found for the model (as the
+    in-process engine finds it) is served as a LoRA module on the query projections only.
     """
     ec = config.engine
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server",
@@ -58,6 +66,10 @@ def command(config: Config, model: ModelInfo, *, host: str = "127.0.0.1", port: 
            "--return-tokens-as-token-ids", "--kv-transfer-config", json.dumps(transfer_config(config, model))]
     if ec.load_format != "auto":
         cmd += ["--load-format", ec.load_format]
+    adapter = adapters.find(config.kv.reader_adapter, config.home, model.fingerprint)
+    if adapter is not None:
+        cmd += ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", str(lora_rank(adapter)),
+                "--lora-target-modules", LORA_TARGET, "--lora-modules", f"{reader_name(model)}={adapter}"]
     if ec.enforce_eager or (ec.enforce_eager is None and _cpu_only()):
         cmd.append("--enforce-eager")
     return cmd

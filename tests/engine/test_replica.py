@@ -37,13 +37,17 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(config with engine.url set, the replica's process): one replica for the module."""
+    """(config with engine.url set, the replica's process): one replica for the module.
+
+    The replica serves the bundled model's shipped reader adapter (KVMEM_READER_ADAPTER unset:
+    auto); the services here read without it (reader_adapter off) unless a test asks for it."""
     home = tmp_path_factory.mktemp("replica-home")
     port = _free_port()
     config = Config(home=home, models_home=default_home() / "models", kv=KVConfig(reader_adapter="off"))
     # A small share of host memory: the suite's in-process engine may be running beside it.
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, gpu_memory_utilization=0.1))
     env = {**os.environ, "KVMEM_GPU_MEMORY_UTILIZATION": "0.1", "KVMEM_HOME": str(home)}
+    env.pop("KVMEM_READER_ADAPTER", None)
     log = (home / "replica.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "kvmem.cli", "--home", str(home), "--models-home",
                              str(config.models_dir), "replica", "--port", str(port)],
@@ -149,3 +153,22 @@ def test_a_dead_replica_is_passed_over_and_its_users_served_by_the_next(served, 
         engine.close()
     with pytest.raises(EngineError, match="no kvmem replica answers"):
         RemoteEngine([dead], remote_mem.model, config.kv_dir)
+
+
+def test_kv_chats_through_the_replica_read_with_its_reader_adapter_text_chats_never(served, remote_mem):
+    from kvmem.service import KVMem
+
+    config, _ = served
+    user = f"u-{uuid.uuid4().hex[:8]}"
+    question = "What is my dog called?"
+    with KVMem(dataclasses.replace(config, kv=KVConfig(reader_adapter="auto")), background=False) as mem:
+        assert mem.engine.reader_adapter == replica.reader_name(mem.model)
+        ids = list(mem.add(facts=["My dog is called Biscuit and loves carrots."], user_id=user).ids)
+        read = mem.chat(question, user_id=user, fact_ids=ids, mode="kv", max_tokens=2, logprobs=5)
+        text = mem.chat(question, user_id=user, fact_ids=ids, mode="text", max_tokens=2, logprobs=5)
+    plain = remote_mem.chat(question, user_id=user, fact_ids=ids, mode="kv", max_tokens=2, logprobs=5)
+    assert read.reader_adapter and not text.reader_adapter and not plain.reader_adapter
+    assert remote_mem.engine.reader_adapter is None  # reader_adapter off: never asked for
+    # The replica applied the LoRA to the KV chat alone: plain KV matches text, the read one moves.
+    assert max(abs(plain.first_logprobs[t] - text.first_logprobs[t]) for t in plain.first_logprobs) < 1e-3
+    assert read.first_logprobs != plain.first_logprobs
