@@ -24,7 +24,9 @@ def free_port() -> int:
 
 def write_config(path: Path) -> Path:
     tenants = "\n".join(f'{t} = "{k}"' for t, k in KEYS.items())
-    path.write_text(f"[server]\nmax_body_bytes = {MAX_BODY}\n\n[tenants]\n{tenants}\n")
+    # A wide graceful-shutdown window: the SIGTERM test's two 256-token chats took over the default
+    # 30 s once on a loaded 2-core CI machine (they finish in ~10 s on an idle one).
+    path.write_text(f"[server]\nmax_body_bytes = {MAX_BODY}\ngraceful_timeout_s = 120\n\n[tenants]\n{tenants}\n")
     return path
 
 
