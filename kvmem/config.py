@@ -61,6 +61,9 @@ class KVConfig:
       evicted fact is served by text prefill and re-encoded when chats use it enough.
     tenant_quota_mib: the same, per user (None: unlimited); a user past it loses their own
       least-used blobs, never another user's.
+    shared_url: a Redis (or Valkey) URL for the shared KV tier (kv/shared.py): every blob written
+      is also stored there, a process that lacks a blob locally pulls it from there, and a delete
+      removes it there and from every process's local folder. None: the local folder only.
     reader_adapter: "auto" | "off" | a folder: the LoRA on the query projections that KV-mode
       chats read injected facts with (kvmem/reader/adapters.py; `kvmem tune-reader` trains one).
     """
@@ -70,6 +73,7 @@ class KVConfig:
     reader_adapter: str = "auto"
     disk_budget_mib: float | None = None
     tenant_quota_mib: float | None = None
+    shared_url: str | None = None
 
     def __post_init__(self) -> None:
         from kvmem.kv.codec import check_codec
@@ -146,6 +150,8 @@ class Config:
     prompt: PromptConfig = PromptConfig()
     memory: MemoryConfig = MemoryConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
+    # PostgreSQL URL for facts, history and vectors (facts/pg.py); None: SQLite in home/facts.sqlite.
+    database_url: str | None = None
 
     @property
     def models_dir(self) -> Path:
@@ -173,8 +179,10 @@ class Config:
                       reader_adapter=os.environ.get("KVMEM_READER_ADAPTER", KVConfig.reader_adapter),
                       hot_cache_mib=int(os.environ.get("KVMEM_HOT_CACHE_MIB", KVConfig.hot_cache_mib)),
                       disk_budget_mib=_mib_or_none(os.environ.get("KVMEM_KV_DISK_BUDGET_MIB", "")),
-                      tenant_quota_mib=_mib_or_none(os.environ.get("KVMEM_KV_TENANT_QUOTA_MIB", "")))
-        return replace(cls(engine=engine, kv=kv), **overrides)
+                      tenant_quota_mib=_mib_or_none(os.environ.get("KVMEM_KV_TENANT_QUOTA_MIB", "")),
+                      shared_url=os.environ.get("KVMEM_KV_SHARED_URL") or None)
+        return replace(cls(engine=engine, kv=kv, database_url=os.environ.get("KVMEM_DATABASE_URL") or None),
+                       **overrides)
 
 
 def _mib_or_none(value: str) -> float | None:

