@@ -284,6 +284,8 @@ def cmd_replica(args: argparse.Namespace, config: Config) -> int:
     from kvmem.engine import replica
     from kvmem.model import resolve_model
 
+    if args.kv_shared_url:
+        config = replace(config, kv=replace(config.kv, shared_url=args.kv_shared_url))
     model = resolve_model(config.engine.model, config.models_dir, config.engine.dtype)
     cmd = replica.command(config, model, host=args.host, port=args.port)
     env = replica.environment(config)
@@ -378,17 +380,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replica", help="run vLLM's stock OpenAI server with kvmem's connector (a replica)",
                        description="Start vLLM's own OpenAI-compatible server with kvmem's KV connector, reading "
-                                   "and writing blobs in this home's KV folder. `kvmem serve` with "
-                                   "KVMEM_ENGINE_URL=http://HOST:PORT then sends its requests there instead "
-                                   "of starting vLLM itself.")
+                                   "and writing blobs in this home's KV folder (and the shared Redis tier, "
+                                   "when given). `kvmem gateway --replicas http://HOST:PORT` (or `kvmem serve` "
+                                   "with KVMEM_ENGINE_URL) then sends its requests there instead of starting "
+                                   "vLLM itself.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=_positive_int, default=8000, help="port (default: 8000)")
+    p.add_argument("--kv-shared-url", help="Redis URL of the shared KV tier (KVMEM_KV_SHARED_URL): blobs this "
+                                           "replica lacks are pulled from there, and those it encodes stored there")
     p.add_argument("--print", action="store_true", help="print the command and environment, do not start it")
     p.set_defaults(func=cmd_replica)
 
     sub.add_parser("serve", add_help=False,
                    help="HTTP server: OpenAI-compatible chat with memory and a Mem0-shaped memory API "
                         "(kvmem serve --help)")
+    sub.add_parser("gateway", add_help=False,
+                   help="the same HTTP server with no engine inside: sends prompts to replicas, facts in "
+                        "PostgreSQL, blobs in a shared Redis tier (kvmem gateway --help)")
     from kvmem.bench import cli as bench_cli
     from kvmem.reader import cli as reader_cli
 
@@ -399,10 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # the server parses its own flags: kvmem serve --help
+    if argv[:1] in (["serve"], ["gateway"]):  # the server parses its own flags: kvmem serve --help
         from kvmem.server.cli import serve_main
 
-        return serve_main(argv[1:])
+        return serve_main(argv[1:], gateway=argv[0] == "gateway")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "forget" and not args.all and not args.ids:

@@ -6,8 +6,10 @@
         mem.search("What is the puppy called?", user_id="alice", k=3)
         r = mem.chat("What is my sister's puppy called?", user_id="alice", k=5, mode="kv")
 
-Facts live in SQLite (text, metadata, history, vectors), vectors also in an in-memory index per
-user, KV blobs on disk. Writes store and index first, then encode; a fact without usable KV is
+Facts live in SQLite, or PostgreSQL when several gateways share them (text, metadata, history,
+vectors), vectors also in in-memory indexes per user, KV blobs on disk (and in a shared Redis tier
+when configured). With PostgreSQL, every process keeps its indexes in step with the others'
+writes through the store's change feed (`_on_fact_change`). Writes store and index first, then encode; a fact without usable KV is
 served by text prefill and re-encoded in the background. With a disk budget or a per-user quota
 (KVConfig), the least-used blobs are evicted (kv/budget.py): their facts are served by text and
 come back when chats use them enough.
@@ -29,7 +31,8 @@ from kvmem.encoding import EncodeReport, Encoder, salt
 from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
 from kvmem.facts.messages import check_messages, turn_facts
 from kvmem.facts.scope import Scope
-from kvmem.facts.store import MAX_LIMIT, FactRecord, FactStore, HistoryEvent
+from kvmem.facts import open_fact_store
+from kvmem.facts.store import MAX_LIMIT, FactRecord, HistoryEvent
 from kvmem.facts.text import check_fact_text, check_nested, check_unicode
 from kvmem.index import Hit, validate_filters
 from kvmem.index import fusion
@@ -56,18 +59,25 @@ class KVMem:
         self.config = config or Config.from_env()
         self.model = resolve_model(self.config.engine.model, self.config.models_dir, self.config.engine.dtype)
         self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(str(self.model.path)), self.config.prompt)
-        self.kv = KVStore(self.config.kv_dir, self.model.fingerprint, self.config.kv.hot_cache_mib << 20)
-        self.facts = FactStore(self.config.home / "facts.sqlite")
+        self.kv = KVStore(self.config.kv_dir, self.model.fingerprint, self.config.kv.hot_cache_mib << 20,
+                          shared_url=self.config.kv.shared_url)
+        self.facts = open_fact_store(self.config.database_url, self.config.home / "facts.sqlite")
         self.embedder = embedder or default_embedder()
-        self.index = TieredIndex(self.embedder.dim)  # exact scan; graph for scopes past 20k facts
-        self.lexical = LexicalIndex()
         self.budget = self._new_budget()
         self._write_lock = threading.RLock()  # keeps store, index and blobs in step
         self.stats: Counter[str] = Counter()  # chats per mode, fallbacks, tier hits, evictions
-        self._rebuild_index()
+        with self._write_lock:
+            # Other processes' writes (PostgreSQL; SQLite has one owner) are heard from before the
+            # indexes are read from the store, and applied after (the lock holds them back), so
+            # none made meanwhile is missed.
+            self._unsubscribe = self.facts.subscribe(self._on_fact_change)
+            self.index, self.lexical = self._build_indexes()
         self._owns_engine = engine is None and start_engine
         self.engine = engine if engine is not None else (self._start_engine() if start_engine else None)
-        self.encoder = Encoder(self.engine, self.prompts, self.kv, self.facts, on_encoded=self._admit) if self.engine else None
+        # Behind replicas this process only checks that a blob is stored (a header, or the shared
+        # tier's stamp) rather than reading it whole: it never injects, the replica verifies.
+        self.encoder = Encoder(self.engine, self.prompts, self.kv, self.facts, on_encoded=self._admit,
+                               verify_blobs=not self.config.engine.url) if self.engine else None
         if self.encoder:
             self.budget.remember(self.facts.usage())
             self._check_blobs()
@@ -84,20 +94,47 @@ class KVMem:
         if self.config.engine.url:  # a replica serves (kvmem replica); no vLLM in this process
             from kvmem.engine.remote import RemoteEngine
 
-            return RemoteEngine(self.config.engine.url, self.model, self.config.kv_dir,
+            return RemoteEngine(self.config.engine.url, self.model, self.kv,
                                 use_reader=self.config.kv.reader_adapter != "off")
         from kvmem.engine.llm import Engine
 
         return Engine(self.model, self.config)
 
-    def _rebuild_index(self) -> None:
+    def _build_indexes(self) -> tuple[TieredIndex, LexicalIndex]:
+        """Dense and lexical indexes of every stored fact (built aside, so searches meanwhile
+        keep using the old ones)."""
+        index, lexical = TieredIndex(self.embedder.dim), LexicalIndex()  # exact scan; graph past 20k facts
         # From the embeddings rows alone: one SQL read per fact made start-up O(n) round trips.
         for fact_id, scope_key, vector, metadata in self.facts.embeddings():
             scope = Scope.from_key(scope_key)
-            self.index.add(scope.user_id, [fact_id], vector[None, :], [_index_metadata(scope, metadata)])
+            index.add(scope.user_id, [fact_id], vector[None, :], [_index_metadata(scope, metadata)])
         for fact_id, scope_key, text, metadata in self.facts.texts():
             scope = Scope.from_key(scope_key)
-            self.lexical.add(scope.user_id, [fact_id], [text], [_index_metadata(scope, metadata)])
+            lexical.add(scope.user_id, [fact_id], [text], [_index_metadata(scope, metadata)])
+        return index, lexical
+
+    def _on_fact_change(self, change: dict) -> None:
+        """A committed write to the shared fact store, by this process or another (the store's
+        listener thread). Each change is applied by reading the fact as it is now, so late,
+        repeated or reordered notifications all converge on the store's state."""
+        op, fact_id = change.get("op"), change.get("id")
+        if op in ("reset", "resync"):
+            with self._write_lock:
+                self.index, self.lexical = self._build_indexes()
+            return
+        try:
+            record = self.facts.get(fact_id)
+        except UnknownFactError:  # deleted (now or since): gone from the indexes too
+            user = change.get("user_id")
+            if user:
+                with self._write_lock:
+                    self.index.remove(user, fact_id)
+                    self.lexical.remove(user, fact_id)
+                    self.budget.forget(fact_id)
+            return
+        if record.embedding is not None:
+            with self._write_lock:
+                self._index(record, record.embedding)
 
     def _new_budget(self) -> DiskBudget:
         kv = self.config.kv
@@ -246,8 +283,7 @@ class KVMem:
             for record in self._all_records():
                 self.kv.delete(record.id)
             self.facts.reset()
-            self.index = TieredIndex(self.embedder.dim)  # exact scan; graph for scopes past 20k facts
-            self.lexical = LexicalIndex()
+            self.index, self.lexical = self._build_indexes()  # empty now
             self.budget = self._new_budget()
 
     # -- read path ------------------------------------------------------------------------------
@@ -475,12 +511,14 @@ class KVMem:
         return self.encoder
 
     def close(self) -> None:
+        self._unsubscribe()
         if self.encoder is not None:
             self.encoder.stop()
             self.facts.save_usage(self.budget.changed_hits())  # the eviction order survives a restart
         if self._owns_engine and self.engine is not None:
             self.engine.close()
         self.facts.close()
+        self.kv.close()
 
     def __enter__(self) -> "KVMem":
         return self

@@ -67,7 +67,8 @@ class KvmemConnector(KVConnectorBase_V1):
         refuse_unsupported(vllm_config, kv_cache_config, report_dir=extra.get("kv_dir"))
         # One store for both halves when they share a process, so the scheduler's checks fill
         # the RAM tier that the worker then reads.
-        store = KVStore.shared(extra["kv_dir"], extra["fingerprint"], int(extra.get("hot_cache_mib", 512)) << 20)
+        store = KVStore.shared(extra["kv_dir"], extra["fingerprint"], int(extra.get("hot_cache_mib", 512)) << 20,
+                               shared_url=extra.get("shared_url"))
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

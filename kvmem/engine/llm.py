@@ -93,7 +93,7 @@ class Engine:
         self._engine = self._llm.llm_engine
         self.model = model
         self.max_model_len = ec.max_model_len
-        self._blobs = KVStore(config.kv_dir, model.fingerprint, hot_cache_bytes=0)
+        self._blobs = KVStore(config.kv_dir, model.fingerprint, hot_cache_bytes=0, shared_url=config.kv.shared_url)
         self._inbox: queue.Queue[_Pending | None] = queue.Queue()
         self._stopping = False
         self.aborted = 0  # requests dropped because their caller cancelled them (e.g. a client hung up)
@@ -271,6 +271,7 @@ class Engine:
         self._inbox.put(None)
         self._driver.join(timeout=60)
         self._engine.engine_core.shutdown()
+        self._blobs.close()
 
 
 def _fail(future: Future, error: BaseException) -> None:

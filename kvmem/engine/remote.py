@@ -3,9 +3,10 @@
 A replica is vLLM's stock OpenAI server with kvmem's connector (replica.py). The service then
 runs no vLLM itself: it retrieves, assembles the segment-tokenized prompt, and sends the token
 ids, the plan (`kv_transfer_params`) and the cache salt to a replica's /v1/completions. The
-replica's worker reads and writes blobs in the KV folder it was started with, which this process
-must see too (the same folder on one host); encodes resolve once their blobs are there, as they
-do in process.
+replica's worker reads and writes blobs in the KV folder it was started with, and in the shared
+Redis tier when one is configured (kv/shared.py); this process must see the same blobs through
+its `blobs` store (the same folder on one host, or the same shared tier), since encodes resolve
+once their blobs are there, as they do in process.
 
 With several replicas, each user's requests go to one of them, chosen by rendezvous hashing of
 the user id (so that replica's prefix cache and RAM tier stay warm for them, and adding or
@@ -54,10 +55,12 @@ def rendezvous(key: str, urls: list[str]) -> list[str]:
 
 
 class RemoteEngine:
-    def __init__(self, urls: str | list[str], model: ModelInfo, kv_dir, *, use_reader: bool = True,
+    def __init__(self, urls: str | list[str], model: ModelInfo, blobs: KVStore, *, use_reader: bool = True,
                  timeout_s: float = 600.0, workers: int = 32) -> None:
-        """urls: one replica's base URL, several in a list or comma-separated. use_reader: False
-        (reader_adapter "off") keeps KV-mode chats on the plain model even where a replica has one."""
+        """urls: one replica's base URL, several in a list or comma-separated. blobs: the store the
+        replicas write to, as this process sees it (only stamps are read: encodes wait for them).
+        use_reader: False (reader_adapter "off") keeps KV-mode chats on the plain model even where
+        a replica has one."""
         self.urls = [u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls) if u.strip()]
         if not self.urls:
             raise EngineError("no replica URL given")
@@ -69,7 +72,7 @@ class RemoteEngine:
         self.failovers = 0  # requests sent to a user's second (or later) choice
         self._down: dict[str, float] = {}  # url -> until when it is passed over
         self._http = httpx.Client(timeout=timeout_s)
-        self._blobs = KVStore(kv_dir, model.fingerprint, hot_cache_bytes=0)
+        self._blobs = blobs
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvmem-remote")
         self._check_models()
 

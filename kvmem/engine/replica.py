@@ -32,6 +32,7 @@ def transfer_config(config: Config, model: ModelInfo) -> dict:
             "fingerprint": model.fingerprint,
             "codec": config.kv.codec,
             "hot_cache_mib": config.kv.hot_cache_mib,
+            "shared_url": config.kv.shared_url,
         },
     }
 

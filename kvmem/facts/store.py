@@ -17,6 +17,9 @@ Design, in the spirit of Mem0's storage:
   start-up.
 * De-duplication is per scope on a hash of the normalized text (Unicode NFC, runs of
   whitespace collapsed; case is kept), enforced by a unique index as well as by `add`.
+
+The same store on PostgreSQL, for several processes sharing one database, is `pg.PgFactStore`:
+it reuses this class's code through the small `Connection` interface below.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -52,6 +55,20 @@ MAX_LIMIT = 10_000
 MAX_OFFSET = (1 << 63) - 1  # SQLite's largest integer: OFFSET overflows beyond it
 SCHEMA_VERSION = 2  # 2: kv_status 'evicted', table kv_usage
 _CHUNK = 1000  # rows per lock hold when streaming, so long scans never starve writers
+
+
+class Connection(Protocol):
+    """What the SQL helpers below need of a connection: sqlite3's, or pg.py's psycopg adapter.
+
+    SQL is written with `?` and `:name` placeholders; rows read by column name and by index.
+    """
+
+    in_transaction: bool
+
+    def execute(self, sql: str, params: Any = ..., /) -> Any: ...
+
+    def executemany(self, sql: str, params: Iterable[Any], /) -> Any: ...
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS facts (
@@ -161,7 +178,7 @@ class FactStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = _connect(self.path)
+        self._conn: Connection | None = _connect(self.path)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -185,13 +202,13 @@ class FactStore:
             position=position, conversation_id=conversation_id, embedding=embedding, fact_id=fact_id,
         )  # fmt: skip
         with self._tx() as conn:
-            return _insert(conn, row)
+            return self._added(conn, _insert(conn, row))
 
     def add_many(self, items: Iterable[Mapping[str, Any]]) -> list[tuple[FactRecord, bool]]:
         """`add` for each item (dicts of add's argument names), all in one transaction."""
         rows = [_new_row(**_check_item(item)) for item in items]
         with self._tx() as conn:
-            return [_insert(conn, row) for row in rows]
+            return [self._added(conn, _insert(conn, row)) for row in rows]
 
     def update(
         self, fact_id: str, text: str, *, metadata: dict[str, Any] | None = None, embedding: Any = None
@@ -216,6 +233,7 @@ class FactStore:
                 now = changes["updated_at"] = time.time()
                 _set(conn, fact_id, changes)
                 _log(conn, "UPDATE", old, old["text"], text, now)
+                self._changed(conn, "update", old)
             return _record(_fetch(conn, fact_id))
 
     def delete(self, fact_id: str) -> FactRecord:
@@ -223,6 +241,7 @@ class FactStore:
         with self._tx() as conn:
             row = _fetch(conn, fact_id)
             _forget(conn, [row])
+            self._changed(conn, "delete", row)
         self._checkpoint()
         return _record(row)
 
@@ -241,6 +260,8 @@ class FactStore:
         with self._tx() as conn:
             rows = conn.execute(f"SELECT {_COLUMNS} FROM facts{clause} ORDER BY created_at, rowid", params).fetchall()
             _forget(conn, rows)
+            for row in rows:
+                self._changed(conn, "delete", row)
         if rows:
             self._checkpoint()
         return [row["id"] for row in rows]
@@ -267,9 +288,11 @@ class FactStore:
         arr = _as_vector(vec)
         blob, dim = (None, None) if arr is None else (_vector_blob(arr), arr.size)
         with self._tx() as conn:
-            if not _still(_fetch(conn, fact_id), if_text):
+            row = _fetch(conn, fact_id)
+            if not _still(row, if_text):
                 return False
             conn.execute("UPDATE facts SET embedding = ?, embedding_dim = ? WHERE id = ?", (blob, dim, fact_id))
+            self._changed(conn, "update", row)
         return True
 
     def reset(self) -> None:
@@ -278,12 +301,14 @@ class FactStore:
             conn.execute("DELETE FROM facts")
             conn.execute("DELETE FROM history")
             conn.execute("DELETE FROM kv_usage")
+            self._changed(conn, "reset", None)
         self._checkpoint()
 
     def usage(self) -> dict[str, int]:
         """fact id -> chats that used it, as last saved (the disk budget's eviction history)."""
         with self._lock:
-            return dict(self._open().execute("SELECT fact_id, hits FROM kv_usage").fetchall())
+            rows = self._open().execute("SELECT fact_id, hits FROM kv_usage").fetchall()
+        return {row[0]: row[1] for row in rows}
 
     def save_usage(self, hits: Mapping[str, int]) -> None:
         """Record these counts (facts deleted meanwhile are skipped: their history is gone)."""
@@ -301,6 +326,16 @@ class FactStore:
             self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._conn.close()
             self._conn = None
+
+    def subscribe(self, callback: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """Call `callback` with each change other processes commit; returns a function that stops it.
+
+        A SQLite store is one process's file (WAL allows no writers on other machines, and kvmem
+        opens it from one process), so nothing else can change it: this does nothing and returns
+        a no-op. PgFactStore, shared by several processes, overrides it with a real change feed.
+        """
+        self._open()  # a closed store refuses, as every other call does
+        return _nothing
 
     def __enter__(self) -> FactStore:
         return self
@@ -366,10 +401,10 @@ class FactStore:
 
     def texts(self) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
         """(fact_id, scope_key, text, metadata) of every fact."""
-        for row in self._columns("id, scope_key, text, metadata", "1"):
+        for row in self._columns("id, scope_key, text, metadata", "TRUE"):
             yield row["id"], row["scope_key"], row["text"], json.loads(row["metadata"])
 
-    def _columns(self, columns: str, where: str) -> Iterator[sqlite3.Row]:
+    def _columns(self, columns: str, where: str) -> Iterator[Mapping[str, Any]]:
         """Every row matching `where`, in rowid order, read in chunks (the lock is not held between)."""
         sql = f"SELECT rowid, {columns} FROM facts WHERE {where} AND rowid > ? ORDER BY rowid LIMIT ?"
         after = 0
@@ -388,16 +423,16 @@ class FactStore:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _open(self) -> sqlite3.Connection:
+    def _open(self) -> Connection:
         if self._conn is None:
             raise KvmemError(f"the fact store at {self.path} is closed")
         return self._conn
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self) -> Iterator[Connection]:
         with self._lock:
             conn = self._open()
-            conn.execute("BEGIN IMMEDIATE")
+            self._begin(conn)
             try:
                 yield conn
                 conn.execute("COMMIT")
@@ -405,6 +440,20 @@ class FactStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+
+    def _begin(self, conn: Connection) -> None:
+        # IMMEDIATE takes the write lock now, so the reads a write does first (dedupe) stay true.
+        conn.execute("BEGIN IMMEDIATE")
+
+    def _added(self, conn: Connection, result: tuple[FactRecord, bool]) -> tuple[FactRecord, bool]:
+        record, created = result
+        if created:
+            self._changed(conn, "add", {"id": record.id, "user_id": record.user_id})
+        return result
+
+    def _changed(self, conn: Connection, op: str, fact: Mapping[str, Any] | None) -> None:
+        """Called inside the write transaction for each fact it changes (None: all of them, reset).
+        A hook for PgFactStore's change feed; one SQLite file has no one else to tell."""
 
     def _checkpoint(self) -> None:
         with self._lock:
@@ -471,18 +520,18 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
     log.info("fact store migrated to schema 2 (kv_status 'evicted')")
 
 
-def _fetch(conn: sqlite3.Connection, fact_id: str) -> sqlite3.Row:
+def _fetch(conn: Connection, fact_id: str) -> Mapping[str, Any]:
     row = conn.execute(f"SELECT {_COLUMNS} FROM facts WHERE id = ?", (_id(fact_id),)).fetchone()
     if row is None:
         raise UnknownFactError(fact_id)
     return row
 
 
-def _still(row: sqlite3.Row, if_text: str | None) -> bool:
+def _still(row: Mapping[str, Any], if_text: str | None) -> bool:
     return if_text is None or row["text"] == if_text
 
 
-def _insert(conn: sqlite3.Connection, row: dict[str, Any]) -> tuple[FactRecord, bool]:
+def _insert(conn: Connection, row: dict[str, Any]) -> tuple[FactRecord, bool]:
     sql = f"SELECT {_COLUMNS} FROM facts WHERE scope_key = ? AND content_hash = ?"
     existing = conn.execute(sql, (row["scope_key"], row["content_hash"])).fetchone()
     if existing is not None:
@@ -497,19 +546,19 @@ def _insert(conn: sqlite3.Connection, row: dict[str, Any]) -> tuple[FactRecord, 
     return _record(row), True
 
 
-def _set(conn: sqlite3.Connection, fact_id: str, changes: dict[str, Any]) -> None:
+def _set(conn: Connection, fact_id: str, changes: dict[str, Any]) -> None:
     assignments = ", ".join(f"{name} = :{name}" for name in changes)  # names are ours, never the caller's
     conn.execute(f"UPDATE facts SET {assignments} WHERE id = :_id", {**changes, "_id": fact_id})
 
 
-def _refuse_duplicate(conn: sqlite3.Connection, old: sqlite3.Row, digest: str) -> None:
+def _refuse_duplicate(conn: Connection, old: Mapping[str, Any], digest: str) -> None:
     sql = "SELECT id FROM facts WHERE scope_key = ? AND content_hash = ? AND id <> ?"
     clash = conn.execute(sql, (old["scope_key"], digest, old["id"])).fetchone()
     if clash is not None:
         raise InvalidInputError(f"fact text duplicates fact {clash['id']!r} in the same scope")
 
 
-def _forget(conn: sqlite3.Connection, rows: Iterable[sqlite3.Row]) -> None:
+def _forget(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
     now = time.time()
     for row in rows:
         # Earlier events keep what happened and when, but lose the words.
@@ -520,7 +569,7 @@ def _forget(conn: sqlite3.Connection, rows: Iterable[sqlite3.Row]) -> None:
 
 
 def _log(
-    conn: sqlite3.Connection, event: str, fact: Mapping[str, Any], old: str | None, new: str | None, at: float
+    conn: Connection, event: str, fact: Mapping[str, Any], old: str | None, new: str | None, at: float
 ) -> None:
     conn.execute(
         "INSERT INTO history (fact_id, event, old_text, new_text, at, scope_key, user_id, agent_id, run_id)"
@@ -654,6 +703,8 @@ def _id(fact_id: object) -> str:
         fact_id.encode("utf-8")
     except UnicodeEncodeError:
         raise UnknownFactError(ascii(fact_id)) from None
+    if "\x00" in fact_id:  # no fact id holds one (check_fact_id), and PostgreSQL text cannot
+        raise UnknownFactError(fact_id)
     return fact_id
 
 
@@ -693,6 +744,10 @@ def _record(row: Mapping[str, Any]) -> FactRecord:
     data["metadata"] = json.loads(data["metadata"])
     data["embedding"] = _vector_from(data["embedding"])
     return FactRecord(**data)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _same(a: object, b: object) -> bool:

@@ -2,6 +2,12 @@
 
     kvmem serve [--host 127.0.0.1] [--port 8000] [--data-dir DIR] [--model M] [--config FILE.toml]
 
+`kvmem gateway`: the same server with no engine inside: it sends prompts to `kvmem replica`
+processes over HTTP, and keeps facts in PostgreSQL and blobs in a shared Redis tier, so several
+gateways and replicas can run side by side (docs/deploy.md).
+
+    kvmem gateway --replicas URL[,URL...] [--database-url postgresql://...] [--kv-shared-url redis://...]
+
 With no API keys configured (KVMEM_API_KEYS or [tenants] in --config) the server is open and
 binds a loopback address only, unless --allow-public-without-keys says otherwise.
 """
@@ -38,18 +44,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def build_gateway_parser() -> argparse.ArgumentParser:
+    p = build_parser()
+    p.prog = "kvmem gateway"
+    p.add_argument("--replicas", help="comma-separated base URLs of `kvmem replica` processes (KVMEM_ENGINE_URL)")
+    p.add_argument("--database-url", help="PostgreSQL URL for facts, history and vectors (KVMEM_DATABASE_URL); "
+                                          "without it, SQLite in --data-dir (one gateway only)")
+    p.add_argument("--kv-shared-url", help="Redis URL of the shared KV tier (KVMEM_KV_SHARED_URL); without it, "
+                                           "the replicas and this gateway must share one KV folder")
+    return p
+
+
+_GATEWAY_FLAGS = ("replicas", "database_url", "kv_shared_url")
+
+
+def serve_main(argv: list[str] | None = None, *, gateway: bool = False) -> int:
+    name = "kvmem gateway" if gateway else "kvmem serve"
+    args = (build_gateway_parser() if gateway else build_parser()).parse_args(argv)
     _logging(args.verbose)
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "verbose")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "verbose", *_GATEWAY_FLAGS)}
     try:
         settings, config = load(args.config, os.environ, flags)
+        if gateway:
+            config = _gateway_config(config, args)
     except SettingsError as e:
-        print(f"kvmem serve: {e}", file=sys.stderr)
+        print(f"{name}: {e}", file=sys.stderr)
         return 2
     if not settings.api_keys:
         if settings.public and not settings.allow_public_without_keys:
-            print(f"kvmem serve: refusing to bind {settings.host} with no API keys configured; set KVMEM_API_KEYS "
+            print(f"{name}: refusing to bind {settings.host} with no API keys configured; set KVMEM_API_KEYS "
                   "or [tenants] in --config, or pass --allow-public-without-keys", file=sys.stderr)
             return 2
         log.warning("no API keys configured: the server is OPEN (no authentication) on %s:%d%s", settings.host,
@@ -57,6 +80,17 @@ def serve_main(argv: list[str] | None = None) -> int:
     else:
         log.info("API keys configured for %d tenants", len(set(settings.api_keys.values())))
     return _run(settings, config)
+
+
+def _gateway_config(config, args):
+    """Flags over the environment; a gateway without a replica to send to is refused."""
+    from dataclasses import replace
+
+    engine = replace(config.engine, url=args.replicas or config.engine.url)
+    if not engine.url:
+        raise SettingsError("a gateway needs replicas: --replicas URL[,URL...] or KVMEM_ENGINE_URL")
+    kv = replace(config.kv, shared_url=args.kv_shared_url or config.kv.shared_url)
+    return replace(config, engine=engine, kv=kv, database_url=args.database_url or config.database_url)
 
 
 def _run(settings, config) -> int:

@@ -123,7 +123,7 @@ def test_a_replica_of_other_weights_is_refused(served, remote_mem):
     config, _ = served
     other = dataclasses.replace(remote_mem.model, fingerprint="0" * 64)
     with pytest.raises(EngineError, match="not kvmem-0000"):
-        RemoteEngine(config.engine.url, other, config.kv_dir)
+        RemoteEngine(config.engine.url, other, remote_mem.kv)
 
 
 def test_scoring_through_a_replica_is_refused_clearly(remote_mem):
@@ -139,7 +139,7 @@ def test_a_dead_replica_is_passed_over_and_its_users_served_by_the_next(served, 
 
     config, _ = served
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
-    engine = RemoteEngine([dead, config.engine.url], remote_mem.model, config.kv_dir)
+    engine = RemoteEngine([dead, config.engine.url], remote_mem.model, remote_mem.kv)
     try:
         users = [u for u in (f"user-{i}" for i in range(50)) if rendezvous(u, [dead, config.engine.url])[0] == dead][:3]
         assert users  # some users' first choice is the dead replica
@@ -152,7 +152,7 @@ def test_a_dead_replica_is_passed_over_and_its_users_served_by_the_next(served, 
     finally:
         engine.close()
     with pytest.raises(EngineError, match="no kvmem replica answers"):
-        RemoteEngine([dead], remote_mem.model, config.kv_dir)
+        RemoteEngine([dead], remote_mem.model, remote_mem.kv)
 
 
 def test_kv_chats_through_the_replica_read_with_its_reader_adapter_text_chats_never(served, remote_mem):

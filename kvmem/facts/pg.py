@@ -1,0 +1,379 @@
+"""The fact store on PostgreSQL, for deployments where several gateway processes share one database.
+
+`PgFactStore` is `FactStore` (same API, validation, errors; the same SQL helpers, run through a
+psycopg adapter that speaks their `?`/`:name` placeholders). What differs, and why:
+
+* Writes are serialized across processes. Every write transaction takes a transaction-level
+  advisory lock (`pg_advisory_xact_lock(LOCK_KEY)`) right after BEGIN, as SQLite's BEGIN
+  IMMEDIATE takes its write lock: the dedupe read `add` does first stays true until it
+  commits, so two processes adding the same text in one scope make one fact (the unique index
+  is the backstop). The lock is released by COMMIT or ROLLBACK, also when a client dies.
+  Reads take no lock; each runs in autocommit, like SQLite's readers.
+* A change feed. Inside each write transaction, `pg_notify('kvmem_facts', json)` is sent for
+  every fact it adds, updates (text, metadata, embedding) or deletes, and once for `reset`.
+  PostgreSQL delivers notifications only at commit, in commit order, and never those of a
+  rolled-back transaction. KV-status and usage bookkeeping do not notify. `subscribe` listens.
+* Listings order by `(created_at, rowid)`, as on SQLite; PostgreSQL has no rowid, so the facts
+  table has an identity column named `rowid`. Writes being serialized, it grows in commit order.
+* Times are DOUBLE PRECISION (REAL is float4 here), vectors BYTEA, counters BIGINT (SQLite's
+  INTEGER is 64-bit). The schema version lives in table `kvmem_meta`; a newer one is refused.
+* A dropped connection (server restart, pg_terminate_backend) is re-opened on the next call.
+  A call that starts on a dead connection is retried once on a fresh one when nothing of it can
+  have applied (a read, or the BEGIN of a write); a write whose connection dies mid-transaction
+  raises KvmemError and was rolled back by the server. Only a loss during COMMIT itself leaves
+  the outcome unknown, as with any database client.
+* PostgreSQL text cannot hold NUL characters: a context or text with one is refused
+  (InvalidInputError), where SQLite would store it.
+
+Forgetting is weaker than on SQLite, and this is the honest part. SQLite's secure_delete zeroes
+a deleted row's bytes at once. PostgreSQL's DELETE and UPDATE leave the old row versions (dead
+tuples) in the table and index files, and the WAL keeps them until its segments are recycled,
+until VACUUM reclaims the space; even then the bytes are only marked reusable, not overwritten.
+The store still deletes the fact, scrubs its text from history and drops its usage, so no query
+sees it again. An operator who must make deleted text unrecoverable on disk keeps autovacuum on
+(the default) and runs `VACUUM` (or `VACUUM FULL facts, history`, which rewrites the files) after
+deletions, with backups, replicas and archived WAL treated as holding the old text too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from functools import lru_cache
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict
+
+from kvmem.errors import InvalidInputError, KvmemError
+from kvmem.facts.store import SCHEMA_VERSION, FactStore
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "kvmem_facts"
+LOCK_KEY = 0x6B766D656D  # "kvmem" in ASCII: the one advisory lock every writer of these tables takes
+_CONNECT_TIMEOUT_S = 10
+_MAX_PAYLOAD = 8000  # bytes: PostgreSQL refuses a longer notification
+_POLL_S = 0.25  # how often a listener looks at its stop flag
+_BACKOFF_S = (0.1, 5.0)  # a listener's reconnect delay: first, longest
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS facts (
+        rowid BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
+        id TEXT PRIMARY KEY,
+        scope_key TEXT NOT NULL,
+        user_id TEXT NOT NULL,
+        agent_id TEXT,
+        run_id TEXT,
+        text TEXT NOT NULL,
+        metadata TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL,
+        source TEXT NOT NULL CHECK (source IN ('fact', 'messages')),
+        event_time TEXT,
+        context TEXT NOT NULL,
+        position BIGINT,
+        conversation_id TEXT,
+        content_hash TEXT NOT NULL,
+        kv_status TEXT NOT NULL CHECK (kv_status IN ('pending', 'encoded', 'failed', 'evicted')),
+        kv_attempts BIGINT NOT NULL,
+        embedding BYTEA,
+        embedding_dim BIGINT
+    )""",
+    "CREATE UNIQUE INDEX IF NOT EXISTS facts_scope_hash ON facts (scope_key, content_hash)",
+    "CREATE INDEX IF NOT EXISTS facts_order ON facts (created_at, rowid)",
+    "CREATE INDEX IF NOT EXISTS facts_user_order ON facts (user_id, created_at, rowid)",
+    "CREATE INDEX IF NOT EXISTS facts_kv ON facts (kv_status, kv_attempts, created_at, rowid)",
+    """CREATE TABLE IF NOT EXISTS history (
+        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        fact_id TEXT NOT NULL,
+        event TEXT NOT NULL CHECK (event IN ('ADD', 'UPDATE', 'DELETE')),
+        old_text TEXT,
+        new_text TEXT,
+        at DOUBLE PRECISION NOT NULL,
+        scope_key TEXT NOT NULL,
+        user_id TEXT NOT NULL,
+        agent_id TEXT,
+        run_id TEXT
+    )""",
+    "CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id, id)",
+    "CREATE TABLE IF NOT EXISTS kv_usage (fact_id TEXT PRIMARY KEY, hits BIGINT NOT NULL)",
+)
+
+
+class PgFactStore(FactStore):
+    """FactStore on the PostgreSQL database at `url` (postgresql://user:password@host:port/dbname)."""
+
+    def __init__(self, url: str) -> None:
+        if not isinstance(url, str) or not url:
+            raise InvalidInputError(f"database url must be a non-empty string, got {url!r}")
+        self.url = url
+        self._lock = threading.Lock()
+        self._listeners: list[_Listener] = []
+        self._conn: _PgConnection | None = _PgConnection(url)
+        try:
+            self._create_schema()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        for listener in list(self._listeners):
+            listener.stop()
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def subscribe(self, callback: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        """Call `callback(change)` from a background thread for every committed change, in commit
+        order, from every process writing this database, this one's own writes included:
+        {"op": "add" | "update" | "delete", "id": fact_id, "user_id": ...} or {"op": "reset"}
+        ({"op": "resync"} instead where a user id is too long for a notification, ~8000 bytes).
+
+        Changes committed after this returns are delivered. When the listening connection is
+        lost, it is re-opened (with backoff) and then {"op": "resync"} is delivered: changes may
+        have been missed meanwhile, so the subscriber should reload what it caches. A callback
+        that raises is logged and the feed goes on. Returns a function that stops the feed;
+        `close()` stops them all.
+        """
+        with self._lock:
+            self._open()
+        listener = _Listener(self.url, callback, self._listeners)
+        listener.start()
+        return listener.stop
+
+    # -- FactStore's hooks -----------------------------------------------------------------
+
+    def _open(self) -> _PgConnection:
+        if self._conn is None:
+            raise KvmemError(f"the fact store at {_redacted(self.url)} is closed")
+        return self._conn
+
+    def _begin(self, conn: _PgConnection) -> None:  # type: ignore[override]
+        conn.execute("BEGIN")
+        conn.execute("SELECT pg_advisory_xact_lock(?)", (LOCK_KEY,))
+
+    def _changed(self, conn: _PgConnection, op: str, fact: Any) -> None:  # type: ignore[override]
+        change = {"op": op} if fact is None else {"op": op, "id": fact["id"], "user_id": fact["user_id"]}
+        payload = json.dumps(change, ensure_ascii=False)
+        if len(payload.encode("utf-8")) >= _MAX_PAYLOAD:
+            payload = '{"op": "resync"}'  # a huge user id: subscribers reload rather than the write fail
+        conn.execute("SELECT pg_notify(?, ?)", (CHANNEL, payload))
+
+    def _checkpoint(self) -> None:
+        """Nothing to do: PostgreSQL has no per-store WAL file to truncate (see the module docstring)."""
+
+    def _create_schema(self) -> None:
+        # Under the write lock, so two processes starting at once do not race CREATE TABLE.
+        with self._tx() as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS kvmem_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            row = conn.execute("SELECT value FROM kvmem_meta WHERE key = 'schema_version'").fetchone()
+            version = 0 if row is None else int(row[0])
+            if version > SCHEMA_VERSION:
+                raise KvmemError(f"{_redacted(self.url)} was written by a newer kvmem "
+                                 f"(schema {version} > {SCHEMA_VERSION})")
+            if version == SCHEMA_VERSION:
+                return  # no DDL on every start: it locks the tables, and may need rights a gateway lacks
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute("INSERT INTO kvmem_meta (key, value) VALUES ('schema_version', ?) ON CONFLICT (key)"
+                          " DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
+
+
+class _Row(dict):
+    """A result row readable by column name (it is a dict) and by index, as sqlite3.Row is."""
+
+    def __init__(self, names: list[str], values: tuple) -> None:
+        super().__init__(zip(names, values))
+        self._values = values
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._values[key] if isinstance(key, int) else super().__getitem__(key)
+
+
+def _row_factory(cursor: Any) -> Callable[[tuple], _Row]:
+    names = [column.name for column in cursor.description or ()]
+    return lambda values: _Row(names, values)
+
+
+@lru_cache(maxsize=256)
+def _translate(sql: str) -> str:
+    """`?` -> %s, `:name` -> %(name)s outside string literals; every % -> %% (psycopg looks for
+    its placeholders everywhere, quoted or not)."""
+
+    def one(match: re.Match) -> str:
+        token = match.group(0)
+        if token.startswith("'"):
+            return token.replace("%", "%%")
+        if token == "?":
+            return "%s"
+        if token == "%":
+            return "%%"
+        return f"%({match.group(1)})s"
+
+    return re.sub(r"'(?:[^']|'')*'|\?|%|(?<!:):([A-Za-z_]\w*)", one, sql)
+
+
+class _PgConnection:
+    """The `Connection` FactStore's SQL helpers use, on one psycopg connection (used under the
+    store's lock). Autocommit, so reads need no transaction; writes send BEGIN/COMMIT themselves.
+    Client-side binding (ClientCursor): parameters are quoted into the SQL text, so PostgreSQL
+    never has to infer a parameter's type (it cannot in `SELECT ?, ? WHERE EXISTS ...`)."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._raw: psycopg.Connection | None = _connect(url)
+
+    @property
+    def in_transaction(self) -> bool:
+        raw = self._raw
+        status = None if raw is None or raw.broken else raw.info.transaction_status
+        return status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+    def execute(self, sql: str, params: Any = ()) -> psycopg.ClientCursor:
+        return self._run(lambda cursor: cursor.execute(_translate(sql), params))
+
+    def executemany(self, sql: str, params: Iterable[Any]) -> psycopg.ClientCursor:
+        return self._run(lambda cursor: cursor.executemany(_translate(sql), params))
+
+    def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
+
+    def _run(self, action: Callable[[psycopg.ClientCursor], Any]) -> Any:
+        raw = self._live()
+        # Outside a transaction nothing can be half-done: a statement that found the connection
+        # dead (a read, or BEGIN) is safely sent again on a fresh one.
+        idle = raw.info.transaction_status == pq.TransactionStatus.IDLE
+        try:
+            return self._do(raw, action)
+        except psycopg.OperationalError as e:
+            if not (idle and raw.broken):
+                raise _lost(self._url, e) from e
+            log.warning("fact store connection to %s lost (%s); reconnecting", _redacted(self._url), e)
+            try:
+                return self._do(self._live(), action)
+            except psycopg.OperationalError as again:
+                raise _lost(self._url, again) from again
+
+    @staticmethod
+    def _do(raw: psycopg.Connection, action: Callable[[psycopg.ClientCursor], Any]) -> Any:
+        cursor = raw.cursor()
+        try:
+            action(cursor)
+        except psycopg.DataError as e:  # e.g. a NUL character, which PostgreSQL text cannot hold
+            raise InvalidInputError(f"PostgreSQL refused a value: {e}") from None
+        return cursor  # its rows are already on the client: fetching needs no connection
+
+    def _live(self) -> psycopg.Connection:
+        if self._raw is None or self._raw.broken or self._raw.closed:
+            if self._raw is not None:
+                self._raw.close()
+            self._raw = None  # stays None if the reconnect fails: the next call tries again
+            self._raw = _connect(self._url)
+        return self._raw
+
+
+def _connect(url: str) -> psycopg.Connection:
+    try:
+        # A connect_timeout in the url wins; without one, a dead host would block for minutes.
+        timeout = {} if "connect_timeout" in conninfo_to_dict(url) else {"connect_timeout": _CONNECT_TIMEOUT_S}
+        return psycopg.connect(url, autocommit=True, cursor_factory=psycopg.ClientCursor,
+                               row_factory=_row_factory, **timeout)
+    except psycopg.OperationalError as e:
+        raise KvmemError(f"cannot connect to PostgreSQL at {_redacted(url)}: {e}") from e
+    except psycopg.ProgrammingError as e:  # a url libpq cannot parse
+        raise InvalidInputError(f"bad database url {_redacted(url)}: {e}") from None
+
+
+def _lost(url: str, error: Exception) -> KvmemError:
+    return KvmemError(f"lost the connection to PostgreSQL at {_redacted(url)} (a write in progress was "
+                      f"rolled back, unless it was lost during COMMIT; the next call reconnects): {error}")
+
+
+def _redacted(url: str) -> str:
+    """The url without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+class _Listener:
+    """One subscription: a daemon thread LISTENing on its own autocommit connection."""
+
+    def __init__(self, url: str, callback: Callable[[dict[str, Any]], None], registry: list[_Listener]) -> None:
+        self._url = url
+        self._callback = callback
+        self._registry = registry
+        self._stopping = threading.Event()
+        self._conn: psycopg.Connection | None = self._listen()  # before returning: no change slips by
+        self._thread = threading.Thread(target=self._run, name="kvmem-facts-listener", daemon=True)
+        registry.append(self)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self in self._registry:
+            self._registry.remove(self)
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            self._thread.join()
+
+    def _listen(self) -> psycopg.Connection:
+        conn = _connect(self._url)
+        try:
+            conn.execute(f"LISTEN {CHANNEL}")
+        except psycopg.Error as e:
+            conn.close()
+            raise KvmemError(f"cannot LISTEN on PostgreSQL at {_redacted(self._url)}: {e}") from e
+        return conn
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                for note in self._notes():
+                    self._deliver(note.payload)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+
+    def _notes(self) -> Iterator[psycopg.Notify]:
+        """What arrives within one poll; after a lost connection, reconnects and tells of a resync."""
+        try:
+            if self._conn is None:
+                self._reconnect()
+                if self._conn is None:
+                    return
+            yield from self._conn.notifies(timeout=_POLL_S)
+        except psycopg.Error as e:
+            log.warning("fact change feed lost its connection (%s); reconnecting", e)
+            self._conn.close()
+            self._conn = None
+
+    def _reconnect(self) -> None:
+        delay = _BACKOFF_S[0]
+        while not self._stopping.wait(delay):
+            try:
+                self._conn = self._listen()
+            except KvmemError as e:
+                log.warning("fact change feed: %s; retrying in %.1f s", e, delay)
+                delay = min(delay * 2, _BACKOFF_S[1])
+                continue
+            self._deliver('{"op": "resync"}')  # changes made while it was away were not seen
+            return
+
+    def _deliver(self, payload: str) -> None:
+        try:
+            self._callback(json.loads(payload))
+        except Exception:  # one bad callback (or a stranger's payload) must not end the feed
+            log.exception("fact change feed: delivering %s failed", payload)
