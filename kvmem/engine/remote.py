@@ -28,6 +28,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -70,6 +71,9 @@ class RemoteEngine:
         self._use_reader = use_reader
         self.aborted = 0
         self.failovers = 0  # requests sent to a user's second (or later) choice
+        # (replica, whether it is the user's first choice by rendezvous) -> requests it answered:
+        # the affinity hit rate, and the load per replica.
+        self.answered: Counter[tuple[str, bool]] = Counter()
         self._down: dict[str, float] = {}  # url -> until when it is passed over
         self._http = httpx.Client(timeout=timeout_s)
         self._blobs = blobs
@@ -119,6 +123,7 @@ class RemoteEngine:
             else:
                 if response.status_code not in _RETRY_STATUS:
                     self.failovers += i > 0
+                    self.answered[url, url == rendezvous(request.route, self.urls)[0]] += 1
                     return url, response
                 errors.append(f"{url}: HTTP {response.status_code}")
                 response.close()

@@ -71,6 +71,14 @@ class _StoreCollector:
         yield from _tier_metrics(mem)
         yield CounterMetricFamily("kvmem_requests_aborted", "Engine requests aborted because their caller went away",
                                   value=getattr(getattr(mem, "engine", None), "aborted", 0))
+        answered = getattr(getattr(mem, "engine", None), "answered", None)
+        if answered is not None:  # behind replicas (kvmem gateway)
+            family = CounterMetricFamily("kvmem_replica_requests", "Engine requests answered per replica; affinity "
+                                         "'first' when it was the user's first choice (rendezvous hashing)",
+                                         labels=["replica", "affinity"])
+            for (url, first), n in sorted(answered.items()):
+                family.add_metric([url, "first" if first else "other"], n)
+            yield family
 
 
 def _tier_metrics(mem):

@@ -277,7 +277,7 @@ def test_a_write_that_loses_its_connection_raises_and_applies_nothing(stores, pg
 
 
 def test_an_unreachable_server_or_a_bad_url_is_refused_without_showing_the_password():
-    from tests.servers import free_port
+    from kvmem.bench.servers import free_port
 
     with pytest.raises(KvmemError, match="cannot connect to PostgreSQL at postgresql://u:\\*\\*\\*@127.0.0.1") as e:
         PgFactStore(f"postgresql://u:secret@127.0.0.1:{free_port()}/db?connect_timeout=2")

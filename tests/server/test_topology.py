@@ -10,10 +10,7 @@ the other replica, which pulls the blobs it lacks from Redis) or gets a clear 50
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,55 +21,22 @@ import pytest
 
 from kvmem.config import default_home
 from kvmem.engine.remote import rendezvous
-from tests.servers import free_port
+from kvmem.bench.servers import KvmemProcess
 
 START_S = 600  # cold CPU starts of vLLM: ~1 minute each here, more on a loaded CI machine
 ENV = {"KVMEM_READER_ADAPTER": "off",  # LoRA slows CPU decode steps; the adapter is tested elsewhere
        "KVMEM_GPU_MEMORY_UTILIZATION": "0.1"}  # two replicas share this host's memory (CPU: a share of RAM)
 
 
-class Proc:
-    """A kvmem subprocess in its own process group, logging to a file."""
+def _start(name: str, home: Path, args: list[str], env: dict) -> KvmemProcess:
+    return KvmemProcess(name, home, args, {**ENV, **env}, default_home() / "models")
 
-    def __init__(self, name: str, home: Path, args: list[str], env: dict) -> None:
-        self.name, self.home, self.port = name, home, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = home / f"{name}.log"
-        models = str(default_home() / "models")
-        places = (["--data-dir", str(home), "--models-home", models] if args[0] == "gateway"  # serve's flags
-                  else ["--home", str(home), "--models-home", models])
-        cmd = [sys.executable, "-m", "kvmem.cli", *(args[:1] + places + args[1:] if args[0] == "gateway"
-                                                    else places + args), "--port", str(self.port)]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, **ENV, "KVMEM_HOME": str(home), **env})
 
-    def wait(self, path: str) -> "Proc":
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + path, timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        pytest.fail(f"{self.name} did not start in {START_S} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def _wait(proc: KvmemProcess, path: str) -> None:
+    try:
+        proc.wait(path, START_S)
+    except (RuntimeError, TimeoutError) as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")
@@ -84,28 +48,28 @@ def topology(tmp_path_factory, postgres_url, redis_url):
         conn.execute(f"CREATE DATABASE {db}")
     db_url = postgres_url.rsplit("/", 1)[0] + "/" + db
     stores = {"KVMEM_KV_SHARED_URL": redis_url}
-    replicas = [Proc(f"replica-{i}", tmp_path_factory.mktemp(f"replica-{i}"), ["replica"], stores) for i in (1, 2)]
+    replicas = [_start(f"replica-{i}", tmp_path_factory.mktemp(f"replica-{i}"), ["replica"], stores) for i in (1, 2)]
     procs = list(replicas)
     try:
         for r in replicas:
-            r.wait("/v1/models")
+            _wait(r, "/v1/models")
         urls = ",".join(r.url for r in replicas)
-        gateways = [Proc(f"gateway-{n}", tmp_path_factory.mktemp(f"gateway-{n}"),
-                         ["gateway", "--replicas", urls, "--database-url", db_url], stores) for n in "ab"]
+        gateways = [_start(f"gateway-{n}", tmp_path_factory.mktemp(f"gateway-{n}"),
+                           ["gateway", "--replicas", urls, "--database-url", db_url], stores) for n in "ab"]
         procs += gateways
         for g in gateways:
-            g.wait("/health")
+            _wait(g, "/health")
         yield {"replicas": replicas, "gateways": gateways, "db_url": db_url, "redis_url": redis_url}
     finally:
         for p in procs:
-            p.kill(signal.SIGTERM)
+            p.stop()
 
 
-def _client(proc: Proc) -> httpx.Client:
+def _client(proc: KvmemProcess) -> httpx.Client:
     return httpx.Client(base_url=proc.url, timeout=300)
 
 
-def _add(gateway: Proc, user: str, facts: list[str]) -> list[str]:
+def _add(gateway: KvmemProcess, user: str, facts: list[str]) -> list[str]:
     with _client(gateway) as c:
         r = c.post("/v1/memories", json={"user_id": user, "facts": facts, "encode": "sync"})
     assert r.status_code == 200, r.text
@@ -129,11 +93,11 @@ def _until(check, timeout: float = 15.0, what: str = "condition"):
         time.sleep(0.1)
 
 
-def _blob_files(replica: Proc, fact_id: str) -> list[Path]:
+def _blob_files(replica: KvmemProcess, fact_id: str) -> list[Path]:
     return list((replica.home / "kv").glob(f"*/{fact_id}.safetensors"))
 
 
-def _user_on(replica: Proc, replicas: list[Proc], prefix: str) -> str:
+def _user_on(replica: KvmemProcess, replicas: list[KvmemProcess], prefix: str) -> str:
     """A user id whose first-choice replica (rendezvous hashing, as the gateways route) is `replica`."""
     urls = [r.url for r in replicas]
     return next(u for u in (f"{prefix}-{i}" for i in range(1000)) if rendezvous(u, urls)[0] == replica.url)
@@ -221,7 +185,7 @@ def test_a_replica_sigkilled_under_load_loses_no_acknowledged_write(topology):
         chats = [pool.submit(chat, i) for i in range(24)]
         adds = [pool.submit(add, i) for i in range(8)]
         time.sleep(3)  # some requests are on the victim now
-        victim.kill(signal.SIGKILL)
+        victim.stop(signal.SIGKILL)
         chat_responses = [f.result() for f in chats]
         add_results = [f.result() for f in adds]
 
