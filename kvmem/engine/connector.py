@@ -7,7 +7,9 @@ scheduler_side.py and worker_side.py; this class only adapts vLLM's hook names t
 refuses at construction what kvmem cannot serve (support.py).
 
 Everything a worker needs travels in the per-step metadata (plan.ConnectorMeta); configuration
-comes from `kv_connector_extra_config`: kv_dir, fingerprint, codec, hot_cache_mib, and is_neox_style (only used when the model's own rotary embedding is not found).
+comes from `kv_connector_extra_config`: kv_dir, fingerprint, codec, hot_cache_mib, shared_url
+(the shared Redis tier, kv/shared.py; absent or null: the local folder only), and is_neox_style
+(only used when the model's own rotary embedding is not found).
 """
 
 from __future__ import annotations

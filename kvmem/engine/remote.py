@@ -11,8 +11,9 @@ once their blobs are there, as they do in process.
 With several replicas, each user's requests go to one of them, chosen by rendezvous hashing of
 the user id (so that replica's prefix cache and RAM tier stay warm for them, and adding or
 losing a replica moves only the users it had). A replica that refuses connections or answers
-502/503 is passed over for DOWN_S seconds and the request goes to the user's next choice;
-with none left the request fails with EngineError (HTTP 503 at the server).
+502/503 is passed over for a while and the request goes to the user's next choice; a probe of
+every replica every few seconds marks replicas down and up between requests (health.py). With
+none left the request fails with EngineError (HTTP 503 at the server).
 
 What the HTTP API cannot carry: streamed responses have no `kv_transfer_params`, so a streamed
 chat reports no injection accounting; scoring (prompt logprobs over cached tokens) needs the
@@ -35,6 +36,7 @@ from typing import Callable, Iterator
 
 import httpx
 
+from kvmem.engine.health import PROBE_S, Health
 from kvmem.engine.llm import BLOB_WAIT_S, EngineRequest, EngineResult
 from kvmem.engine.plan import ENCODE, KEY
 from kvmem.engine.replica import reader_name, served_name
@@ -45,7 +47,6 @@ from kvmem.model import ModelInfo
 log = logging.getLogger(__name__)
 
 BLOB_POLL_S = 0.005
-DOWN_S = 10.0  # how long a replica that failed is passed over
 _FAILOVER = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 _RETRY_STATUS = (502, 503)
 
@@ -57,11 +58,11 @@ def rendezvous(key: str, urls: list[str]) -> list[str]:
 
 class RemoteEngine:
     def __init__(self, urls: str | list[str], model: ModelInfo, blobs: KVStore, *, use_reader: bool = True,
-                 timeout_s: float = 600.0, workers: int = 32) -> None:
+                 timeout_s: float = 600.0, workers: int = 32, probe_s: float | None = PROBE_S) -> None:
         """urls: one replica's base URL, several in a list or comma-separated. blobs: the store the
         replicas write to, as this process sees it (only stamps are read: encodes wait for them).
         use_reader: False (reader_adapter "off") keeps KV-mode chats on the plain model even where
-        a replica has one."""
+        a replica has one. probe_s: seconds between health probes of the replicas (None: none)."""
         self.urls = [u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls) if u.strip()]
         if not self.urls:
             raise EngineError("no replica URL given")
@@ -74,21 +75,25 @@ class RemoteEngine:
         # (replica, whether it is the user's first choice by rendezvous) -> requests it answered:
         # the affinity hit rate, and the load per replica.
         self.answered: Counter[tuple[str, bool]] = Counter()
-        self._down: dict[str, float] = {}  # url -> until when it is passed over
         self._http = httpx.Client(timeout=timeout_s)
         self._blobs = blobs
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvmem-remote")
-        self._check_models()
+        down = self._check_models()
+        # Probed from now on, the weights being checked; those down at start are passed over.
+        self.health = Health(self.urls, lambda ids: self.name in ids, probe_s=probe_s)
+        for url in down:
+            self.health.mark_down(url)
 
-    def _check_models(self) -> None:
-        """At least one replica must answer, and every one that does must serve our weights."""
-        errors = []
+    def _check_models(self) -> list[str]:
+        """At least one replica must answer, and every one that does must serve our weights;
+        -> those that did not answer."""
+        errors, down = [], []
         for url in self.urls:
             try:
                 served = [m["id"] for m in self._http.get(f"{url}/v1/models").raise_for_status().json()["data"]]
             except (httpx.HTTPError, KeyError, ValueError) as e:
                 errors.append(f"{url}: {e}")
-                self._down[url] = time.monotonic() + DOWN_S
+                down.append(url)
                 continue
             if self.name not in served:
                 raise EngineError(f"the replica at {url} serves {served}, not {self.name}: it runs other weights "
@@ -99,12 +104,11 @@ class RemoteEngine:
             raise EngineError(f"no kvmem replica answers: {'; '.join(errors)}")
         for error in errors:
             log.warning("replica down at start: %s", error)
+        return down
 
     def route(self, key: str) -> list[str]:
-        """Replicas to try for this user, best first; those passed over lately go last."""
-        now = time.monotonic()
-        order = rendezvous(key, self.urls)
-        return [u for u in order if self._down.get(u, 0) <= now] + [u for u in order if self._down.get(u, 0) > now]
+        """Replicas to try for this user, best first; those marked down go last."""
+        return self.health.order(rendezvous(key, self.urls))
 
     def _send(self, request: EngineRequest, body: dict, stream: bool = False):
         """POST to the user's replicas in turn until one answers; -> (url, response)."""
@@ -127,7 +131,7 @@ class RemoteEngine:
                     return url, response
                 errors.append(f"{url}: HTTP {response.status_code}")
                 response.close()
-            self._down[url] = time.monotonic() + DOWN_S
+            self.health.mark_down(url)
             log.warning("replica %s failed (%s); trying the next one", url, errors[-1])
         raise EngineError(f"no replica answered: {'; '.join(errors)}")
 
@@ -212,6 +216,7 @@ class RemoteEngine:
             return False
 
     def close(self) -> None:
+        self.health.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
 

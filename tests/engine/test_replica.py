@@ -134,19 +134,20 @@ def test_scoring_through_a_replica_is_refused_clearly(remote_mem):
 def test_a_dead_replica_is_passed_over_and_its_users_served_by_the_next(served, remote_mem, monkeypatch):
     """A replica that refuses connections (as a SIGKILLed one does): every request still
     completes on the live one; with no replica left the error says so."""
-    from kvmem.engine import remote
+    from kvmem.engine import health
     from kvmem.engine.remote import RemoteEngine, rendezvous
 
     config, _ = served
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
-    engine = RemoteEngine([dead, config.engine.url], remote_mem.model, remote_mem.kv)
+    # No probe: this test is about what requests alone find out (tests/engine/test_health.py probes).
+    engine = RemoteEngine([dead, config.engine.url], remote_mem.model, remote_mem.kv, probe_s=None)
     try:
         users = [u for u in (f"user-{i}" for i in range(50)) if rendezvous(u, [dead, config.engine.url])[0] == dead][:3]
         assert users  # some users' first choice is the dead replica
         assert engine.route(users[0])[0] == config.engine.url  # found down at start: passed over
         prompt = tuple(remote_mem.prompts.context_tokens("Hello there"))
-        monkeypatch.setattr(remote, "DOWN_S", 0.0)  # as if it had been down long ago: tried first again
-        engine._down.clear()
+        monkeypatch.setattr(health, "DOWN_S", 0.0)  # as if it had been down long ago: tried first again
+        engine.health.mark_up(dead)
         results = engine.run([EngineRequest(prompt, f"salt-{u}", 2, route=u) for u in users])
         assert all(len(r.token_ids) == 2 for r in results) and engine.failovers == len(users)
     finally:
