@@ -46,7 +46,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--facts-per-user", type=int, default=8)
     g.add_argument("-k", type=int, default=5, help="facts per chat (default: 5)")
     g.add_argument("--rounds", type=int, default=4, help="questions per user in the concurrent run (default: 4)")
-    g.add_argument("--sequential", type=int, default=8, help="one-at-a-time requests for the hop cost (default: 8)")
+    g.add_argument("--sequential", type=int, default=24, help="one-at-a-time requests for the hop cost (default: 24)")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--workdir", type=Path, default=None, help="where the processes keep their data (default: a "
                                                               "fresh temporary folder)")
