@@ -205,3 +205,8 @@ def test_a_replica_sigkilled_under_load_loses_no_acknowledged_write(topology):
         after = _chat(c, spare, "What is my favourite number?", k=2).json()
     assert after["memory"]["injected_tokens"] > 0 and after["memory"]["fallbacks"] == 0, after
     assert all(_blob_files(survivor, f) for f in after["memory"]["fact_ids"])
+    # The gateways count it: requests of the victim's users answered by the survivor, not their first choice.
+    other = f'kvmem_replica_requests_total{{affinity="other",replica="{survivor.url}"}}'
+    counted = [float(line.rsplit(" ", 1)[1]) for g in gateways
+               for line in httpx.get(g.url + "/metrics", timeout=30).text.splitlines() if line.startswith(other)]
+    assert counted and sum(counted) > 0
