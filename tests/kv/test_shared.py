@@ -14,7 +14,7 @@ from kvmem.errors import BlobError
 from kvmem.kv.shared import SharedTier, SharedTierError, safe_url
 from kvmem.kv.store import KVStore
 from tests.kv.test_blob import make_blob
-from tests.servers import free_port
+from kvmem.bench.servers import free_port
 
 
 @pytest.fixture
