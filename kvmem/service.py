@@ -9,8 +9,8 @@
 Facts live in SQLite, or PostgreSQL when several gateways share them (text, metadata, history,
 vectors), vectors also in in-memory indexes per user, KV blobs on disk (and in a shared Redis tier
 when configured). With PostgreSQL, every process keeps its indexes in step with the others'
-writes through the store's change feed (`_on_fact_change`). Writes store and index first, then encode; a fact without usable KV is
-served by text prefill and re-encoded in the background. With a disk budget or a per-user quota
+writes through the store's change feed (`_on_fact_change`). Writes store and index first, then
+encode; a fact without usable KV is served by text prefill and re-encoded in the background. With a disk budget or a per-user quota
 (KVConfig), the least-used blobs are evicted (kv/budget.py): their facts are served by text and
 come back when chats use them enough.
 """
