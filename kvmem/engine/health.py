@@ -25,6 +25,11 @@ PROBE_S = 2.0  # between two probes of every replica
 PROBE_TIMEOUT_S = 2.0  # a replica slower than this to list its models counts as down
 
 
+def served_models(http: httpx.Client, url: str) -> list[str]:
+    """The model ids a replica serves (vLLM's /v1/models); httpx or parsing errors as raised."""
+    return [m["id"] for m in http.get(f"{url}/v1/models").raise_for_status().json()["data"]]
+
+
 class Health:
     def __init__(self, urls: list[str], serves: Callable[[list[str]], bool], probe_s: float | None = PROBE_S) -> None:
         """serves(model ids) -> whether a replica listing those ids serves our weights.
@@ -64,8 +69,7 @@ class Health:
         result = {}
         for url in self.urls:
             try:
-                ids = [m["id"] for m in http.get(f"{url}/v1/models").raise_for_status().json()["data"]]
-                result[url] = self._serves(ids)
+                result[url] = self._serves(served_models(http, url))
             except (httpx.HTTPError, KeyError, TypeError, ValueError):
                 result[url] = False
             was_down = self.is_down(url)

@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from kvmem.engine.health import PROBE_S, Health
+from kvmem.engine.health import PROBE_S, Health, served_models
 from kvmem.engine.llm import BLOB_WAIT_S, EngineRequest, EngineResult
 from kvmem.engine.plan import ENCODE, KEY
 from kvmem.engine.replica import reader_name, served_name
@@ -90,7 +90,7 @@ class RemoteEngine:
         errors, down = [], []
         for url in self.urls:
             try:
-                served = [m["id"] for m in self._http.get(f"{url}/v1/models").raise_for_status().json()["data"]]
+                served = served_models(self._http, url)
             except (httpx.HTTPError, KeyError, ValueError) as e:
                 errors.append(f"{url}: {e}")
                 down.append(url)
