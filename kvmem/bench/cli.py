@@ -69,8 +69,13 @@ def add_parsers(sub) -> None:
     rd.add_argument("-k", type=int, default=10)
     _common(rd, "reader")
     rd.set_defaults(func=cmd_reader)
-    a = bench.add_parser("ann", help="graph index vs faiss HNSW / IVF-RaBitQ, hnswlib, exact scan (clustered data)")
-    a.add_argument("-n", type=int, default=100_000, help="base vectors (default: 100000)")
+    a = bench.add_parser("ann", help="graph index vs faiss HNSW / IVF-RaBitQ, hnswlib, exact scan "
+                                     "(clustered data or LoCoMo embeddings)")
+    a.add_argument("--data", choices=("clustered", "locomo"), default="clustered",
+                   help="clustered synthetic vectors (default) or MiniLM embeddings of LoCoMo's turns/questions")
+    a.add_argument("--locomo", type=Path, default=None, help="LoCoMo JSON for --data locomo (default: ../shared)")
+    a.add_argument("--name", default=None, help="results file stem (default: ann, ann-<n> or ann-locomo)")
+    a.add_argument("-n", type=int, default=100_000, help="base vectors (default: 100000; clustered only)")
     a.add_argument("--dim", type=int, default=384)
     a.add_argument("--queries", type=int, default=1_000)
     a.add_argument("--threads", type=int, default=2, help="build threads (search is 1 thread)")
@@ -218,8 +223,10 @@ def cmd_reader(args, config) -> int:
 def cmd_ann(args, config) -> int:
     from kvmem.bench import ann
 
+    name = args.name or ("ann-locomo" if args.data == "locomo" else "ann" if args.n == 100_000 else f"ann-{args.n}")
     cfg = ann.AnnConfig(n=args.n, dim=args.dim, queries=args.queries, threads=args.threads, seed=args.seed,
-                        centres=max(1, args.n // 100), **({"indexes": args.indexes} if args.indexes else {}))
+                        centres=max(1, args.n // 100), data=args.data, locomo=str(args.locomo or ""), name=name,
+                        **({"indexes": args.indexes} if args.indexes else {}))
     print(ann.report(ann.run(cfg), args.out or RESULTS))
     return 0
 

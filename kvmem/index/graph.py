@@ -1,10 +1,12 @@
 """`GraphIndex`: the `VectorIndex` API over one Vamana graph per scope, for large scopes.
 
 A scope's vectors live in a `VamanaGraph` (kvmem/index/vamana.py: batch-parallel inserts,
-RaBitQ-guided walk with exact re-rank, tombstones + consolidation). This module maps string
-ids and metadata onto graph slots and decides, per search, between the graph and an exact
-scan: small scopes, and filters that leave too small a share of the scope, are scanned
-exactly (a walk that may return only a few of its visits cannot serve a 1% filter well).
+RaBitQ-guided walk re-ranked on stored rows, tombstones + consolidation). This module maps
+string ids and metadata onto graph slots and decides, per search, between the graph and a full
+scan: small scopes, and filters that leave too small a share of the scope, are scanned in full
+(a walk that may return only a few of its visits cannot serve a 1% filter well). The scan
+reads the graph's stored rows: with the default int8 rows (`GraphParams.vector_bits`) its
+scores carry int8 rounding (about 1e-3), with 32 they are exact cosines.
 Persistence is one .npz file per index, replaced atomically (kvmem/index/persist.py).
 """
 
@@ -30,16 +32,17 @@ from kvmem.index.persist import atomic_write
 from kvmem.index.rwlock import RWLock
 from kvmem.index.vamana import GraphParams, VamanaGraph
 
-FORMAT = "kvmem-graph-index/1"
+FORMAT = "kvmem-graph-index/2"  # 2 added int8 rows + scales
+READABLE = (FORMAT, "kvmem-graph-index/1")
 
 
 @dataclass(frozen=True)
 class GraphIndexConfig:
-    """When the graph serves a search, and how. Exact scans are exact; the graph is not."""
+    """When the graph serves a search, and how. Scans find every match; walks may miss some."""
 
     graph: GraphParams = field(default_factory=GraphParams)
-    exact_below: int = 2_000  # scopes with fewer live vectors are scanned exactly
-    filter_exact_share: float = 0.1  # filters passing less than this share are scanned exactly
+    exact_below: int = 2_000  # scopes with fewer live vectors are scanned in full
+    filter_exact_share: float = 0.1  # filters passing less than this share are scanned in full
     max_filter_beam: int = 1_024  # a filtered walk widens its beam by 1/share up to this
 
 
@@ -157,7 +160,7 @@ class GraphIndex(VectorIndex):
         beam = min(cfg.max_filter_beam, math.ceil(scope.graph.params.search_beam / share))
         slots, scores = scope.graph.search(q, k, beam=max(beam, k), blocked=blocked)
         if len(slots) < min(k, len(passed)):
-            return _scan(scope, passed, q, k)  # the walk saw too few that pass: be exact
+            return _scan(scope, passed, q, k)  # the walk saw too few that pass: scan them all
         return _hits(scope, slots, scores, k)
 
     def similarities(self, scope_key: str, query: np.ndarray, ids: Sequence[str]) -> dict[str, float]:
@@ -170,7 +173,7 @@ class GraphIndex(VectorIndex):
                 return {}
             found = [i for i in ids if i in scope.rows]
             slots = [scope.rows[i] for i in found]
-            return dict(zip(found, (scope.graph.vectors[slots] @ q).tolist()))  # [m, dim] @ [dim] -> [m]
+            return dict(zip(found, (scope.graph.rows(slots) @ q).tolist()))  # [m, dim] @ [dim] -> [m]
 
     def export(self, scope_key: str) -> tuple[list[str], np.ndarray, list[dict[str, Any]]]:
         """The scope's live ids, unit vectors [n, dim] and metadata (to move it to another index)."""
@@ -179,7 +182,7 @@ class GraphIndex(VectorIndex):
             if scope is None:
                 return [], np.empty((0, self.dim), np.float32), []
             slots = scope.live_slots()
-            return ([scope.ids[s] for s in slots.tolist()], scope.graph.vectors[slots].copy(),
+            return ([scope.ids[s] for s in slots.tolist()], scope.graph.rows(slots),
                     [dict(scope.metas[s] or {}) for s in slots.tolist()])
 
     def count(self, scope_key: str) -> int:
@@ -215,13 +218,14 @@ class GraphIndex(VectorIndex):
         try:
             with np.load(path, allow_pickle=False) as z:
                 header = json.loads(z["header"].tobytes())
-                if header.get("format") != FORMAT:
+                if header.get("format") not in READABLE:
                     raise IndexFileError(f"{path}: not a {FORMAT} file")
                 config = _config_from(header["config"])
                 index = cls(int(header["dim"]), config)
                 for i, spec in enumerate(header["scopes"]):
-                    names = ("vectors", "codes", "factors", "adj", "deg", "deleted", "free", "meta", "signs", "centroid")
-                    state = {n: z[f"s{i}_{n}"] for n in names}
+                    names = ("vectors", "scales", "codes", "factors", "adj", "deg", "deleted", "free", "meta",
+                             "signs", "centroid")
+                    state = {n: z[f"s{i}_{n}"] for n in names if f"s{i}_{n}" in z}  # format 1 has no scales
                     index._scopes[spec["key"]] = _restore_scope(spec, state, config.graph)
         except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile) as e:
             raise IndexFileError(f"cannot read graph index {path}: {e}") from e
@@ -241,7 +245,7 @@ def _scan(scope: _Scope, slots: np.ndarray, q: np.ndarray, k: int) -> list[Hit]:
     """Exact top-k over `slots` [m]."""
     if len(slots) == 0:
         return []
-    scores = scope.graph.vectors[slots] @ q  # [m, dim] @ [dim] -> [m]
+    scores = scope.graph.rows(slots) @ q  # [m, dim] @ [dim] -> [m]
     return top_k(scores, [scope.ids[s] for s in slots.tolist()], k)
 
 

@@ -8,6 +8,9 @@ from measurements (docs/benchmarks.md, "Graph index (Vamana + RaBitQ)"): an exac
 search 0.1-0.25 ms at recall 0.95 whatever the size; the scan is exact and no slower up to
 ~10k-20k vectors, so per-user memories (a few thousand facts) never leave it, while an
 agent's or organisation's shared scope does.
+
+A demoted scope carries the graph's stored rows back (int8-rounded by default, about 1e-3 off
+in cosine) until the service next rebuilds its indexes from the fact store's float32 embeddings.
 """
 
 from __future__ import annotations

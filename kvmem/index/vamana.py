@@ -23,6 +23,7 @@ import numpy as np
 from kvmem.errors import InvalidInputError
 from kvmem.index import vamana_kernels as K
 from kvmem.index.rabitq import RaBitQ
+from kvmem.index.rowquant import decode, dtype_for, quantize
 
 STAMP_LIMIT = 2**32 - 2**24  # reset visit stamps well before uint32 wraps
 
@@ -36,7 +37,8 @@ class GraphParams:
     alpha: float = 1.2  # RobustPrune's long-edge factor
     slack: float = 1.3  # rows hold up to slack * R edges before a re-prune (DiskANN's factor)
     search_beam: int = 32  # L while searching (raised to k when smaller)
-    rerank: int = 16  # unexpanded candidates scored exactly after the walk
+    rerank: int = 16  # unexpanded candidates scored with their stored rows after the walk
+    vector_bits: int = 8  # stored rows for scoring and pruning: 8 (int8 + scale) or 32 (exact)
     max_batch_share: float = 0.02  # a batch links at most this share of the graph at once
     max_batch: int = 10_000
     consolidate_share: float = 0.1  # consolidate when this share of slots is tombstoned
@@ -48,6 +50,7 @@ class GraphParams:
             raise InvalidInputError(f"bad graph parameters: {self}")
         if not 0.0 < self.consolidate_share <= 1.0:
             raise InvalidInputError(f"consolidate_share must be in (0, 1], got {self.consolidate_share}")
+        dtype_for(self.vector_bits)
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -83,7 +86,8 @@ class VamanaGraph:
     # -- storage -----------------------------------------------------------------------------
 
     def _alloc(self, cap: int, words: int) -> None:
-        self.vectors = np.zeros((cap, self.dim), np.float32)  # [cap, dim]
+        self.vectors = np.zeros((cap, self.dim), dtype_for(self.params.vector_bits))  # [cap, dim]
+        self.scales = np.ones(cap, np.float32)  # [cap] row i is vectors[i] * scales[i]
         self.codes = np.zeros((cap, words), np.uint64)  # [cap, W]
         self.factors = np.zeros(cap, np.float32)  # [cap]
         self.adj = np.zeros((cap, self.row), np.int32)  # [cap, R_slack]
@@ -96,11 +100,18 @@ class VamanaGraph:
             return
         while cap < need:
             cap *= 2
-        old = (self.vectors, self.codes, self.factors, self.adj, self.deg, self.deleted)
+        old = self._arrays()
         self._alloc(cap, self.codes.shape[1])
-        for new, prev in zip((self.vectors, self.codes, self.factors, self.adj, self.deg, self.deleted), old):
+        for new, prev in zip(self._arrays(), old):
             new[: len(prev)] = prev
         self._tls = threading.local()  # visit arrays are sized to the capacity
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.vectors, self.scales, self.codes, self.factors, self.adj, self.deg, self.deleted)
+
+    def rows(self, slots: np.ndarray) -> np.ndarray:
+        """The stored unit rows of `slots` [m] as float32 [m, dim] (int8 ones decoded)."""
+        return decode(self.vectors[slots], self.scales[slots])
 
     @property
     def row(self) -> int:
@@ -131,7 +142,7 @@ class VamanaGraph:
         self.size += len(fresh)
         slots = np.asarray(reuse + fresh, np.int32)
         codes, factors = self.quantizer.encode(rows)
-        self.vectors[slots] = rows
+        self.vectors[slots], self.scales[slots] = quantize(rows, self.vectors.dtype.type)
         self.codes[slots] = codes
         self.factors[slots] = factors
         self.deg[slots] = 0
@@ -175,7 +186,7 @@ class VamanaGraph:
         alpha = np.float32(p.alpha)
 
         def link(t: int, lo: int, hi: int) -> None:
-            stamps[t] = K.link_range(new, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.codes,
+            stamps[t] = K.link_range(new, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.scales, self.codes,
                                      self.factors, self.quantizer.signs, self.deleted, p.build_beam, alpha,
                                      visited[t], stamps[t], out, out_deg)
 
@@ -184,7 +195,7 @@ class VamanaGraph:
         groups = len(bounds) - 1
         run_chunks(min(self.threads, max(1, groups // 64)), groups,
                    lambda t, lo, hi: K.merge_range(targets, sources, bounds, lo, hi, self.adj, self.deg,
-                                                   self.vectors, alpha, p.degree))
+                                                   self.vectors, self.scales, alpha, p.degree))
 
     def _scratch(self, threads: int, walks: int) -> tuple[np.ndarray, list[int]]:
         """Per-thread visit arrays [threads, cap] and their last stamps, reset before uint32 wraps."""
@@ -210,7 +221,7 @@ class VamanaGraph:
             return
         alpha = np.float32(self.params.alpha)
         run_chunks(self.threads, self.size,
-                   lambda t, lo, hi: K.consolidate_range(lo, hi, self.adj, self.deg, self.vectors, self.deleted, alpha,
+                   lambda t, lo, hi: K.consolidate_range(lo, hi, self.adj, self.deg, self.vectors, self.scales, self.deleted, alpha,
                                                         self.params.degree))
         self.deg[dead] = 0
         self.free.extend(int(s) for s in dead)
@@ -222,7 +233,7 @@ class VamanaGraph:
         if len(live) == 0:
             self.entry = -1
             return
-        self.entry = int(live[np.argmax(self.vectors[live] @ self.quantizer.centroid)])  # [m]
+        self.entry = int(live[np.argmax(self.rows(live) @ self.quantizer.centroid)])  # [m]
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -241,7 +252,7 @@ class VamanaGraph:
         if self.entry < 0:
             return np.empty(0, np.int32), np.empty(0, np.float32)
         visited, stamp = self._visited()
-        return K.search_one(q, self.entry, self.adj, self.deg, self.vectors, self.codes, self.factors,
+        return K.search_one(q, self.entry, self.adj, self.deg, self.vectors, self.scales, self.codes, self.factors,
                             self.quantizer.signs, self.deleted if blocked is None else blocked,
                             beam or self.params.search_beam, self.params.rerank, k, visited, stamp)
 
@@ -260,7 +271,7 @@ class VamanaGraph:
         beam = beam or self.params.search_beam
 
         def walk(t: int, lo: int, hi: int) -> None:
-            stamps[t] = K.search_range(queries, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.codes,
+            stamps[t] = K.search_range(queries, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.scales, self.codes,
                                        self.factors, self.quantizer.signs, self.deleted, beam, self.params.rerank, k,
                                        visited[t], stamps[t], ids, scores)
 
@@ -268,8 +279,8 @@ class VamanaGraph:
         return ids, scores
 
     def nbytes(self) -> int:
-        """Bytes of the arrays a search reads (vectors, codes, factors, graph, flags)."""
-        return sum(a.nbytes for a in (self.vectors, self.codes, self.factors, self.adj, self.deg, self.deleted))
+        """Bytes of the arrays a search reads (rows, scales, codes, factors, graph, flags)."""
+        return sum(a.nbytes for a in self._arrays())
 
     # -- persistence --------------------------------------------------------------------------
 
@@ -278,7 +289,7 @@ class VamanaGraph:
         n = self.size
         q = self.quantizer
         return {
-            "vectors": self.vectors[:n], "codes": self.codes[:n], "factors": self.factors[:n],
+            "vectors": self.vectors[:n], "scales": self.scales[:n], "codes": self.codes[:n], "factors": self.factors[:n],
             "adj": self.adj[:n], "deg": self.deg[:n], "deleted": self.deleted[:n],
             "free": np.asarray(self.free, np.int64),
             "meta": np.asarray([self.dim, n, self.entry], np.int64),
@@ -293,7 +304,12 @@ class VamanaGraph:
         if len(state["signs"]):
             g.quantizer = RaBitQ(np.ascontiguousarray(state["signs"]), np.ascontiguousarray(state["centroid"]))
         g.codes = np.zeros((len(g.vectors), state["codes"].shape[1]), np.uint64)
-        for name in ("vectors", "codes", "factors", "adj", "deg", "deleted"):
+        for name in ("codes", "factors", "adj", "deg", "deleted"):
             getattr(g, name)[:n] = state[name]
+        stored = state["vectors"]
+        scales = state["scales"] if "scales" in state else np.ones(n, np.float32)  # format 1: float32 rows
+        if stored.dtype != g.vectors.dtype:  # saved with other vector_bits: re-store in this graph's
+            stored, scales = quantize(decode(stored, scales), g.vectors.dtype.type)
+        g.vectors[:n], g.scales[:n] = stored, scales
         g.size, g.entry, g.free = n, entry, [int(s) for s in state["free"]]
         return g

@@ -1,19 +1,21 @@
 """Numba kernels of the Vamana graph: the walk, RobustPrune, batch insertion, consolidation.
 
 Nodes are slots 0..n-1 of arrays owned by `VamanaGraph`: adjacency adj [cap, R] int32 with
-degrees deg [cap], unit float32 vectors [cap, dim], RaBitQ codes [cap, W] and factors [cap],
+degrees deg [cap], unit vectors [cap, dim] stored as int8 or float32 with scales [cap] (row i is
+vectors[i] * scales[i], kvmem/index/rowquant.py), RaBitQ codes [cap, W] and factors [cap],
 and `blocked` [cap] uint8 (1 = tombstoned or filtered out: walked through, never returned).
 
 The walk ranks its beam by RaBitQ estimates, which cost a few popcounts, and scores each node
-it expands exactly (it reads that node's vector anyway to move on): the result is the best
-expanded nodes by exact inner product, so the re-rank is built into the walk. Distances for
+it expands with its stored vector (it reads that node's row anyway to move on): the result is the
+best expanded nodes by that score, so the re-rank is built into the walk. Distances for
 pruning are squared L2 between unit vectors, 2 - 2<a, b>.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from kvmem.index.intrinsics import prefetch
 from kvmem.index.rabitq import QUERY_BITS, estimate, prepare_query
@@ -21,12 +23,27 @@ from kvmem.index.rabitq import QUERY_BITS, estimate, prepare_query
 FASTMATH = True
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True, inline="always")
 def dot(a, b):
-    s = np.float32(0.0)
-    for i in range(a.shape[0]):
-        s += a[i] * b[i]
-    return s
+    """<a, b> of two rows as float32, unscaled: int8 rows are scaled by the caller."""
+    raise NotImplementedError("numba-only; see _dot")
+
+
+@overload(dot, jit_options={"fastmath": FASTMATH})
+def _dot(a, b):
+    if a.dtype == types.int8 and b.dtype == types.int8:
+        def int_dot(a, b):  # two stored rows (pruning): exact integer sums, which vectorise well
+            s = np.int32(0)
+            for i in range(a.shape[0]):
+                s += np.int32(a[i]) * np.int32(b[i])
+            return np.float32(s)
+        return int_dot
+
+    def float_dot(a, b):
+        s = np.float32(0.0)
+        for i in range(a.shape[0]):
+            s += np.float32(a[i]) * np.float32(b[i])
+        return s
+    return float_dot
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
@@ -49,15 +66,15 @@ def _insert_sorted(ids, scores, flags, size, cap, node, score):
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, extra, keep,
+def walk(q, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, beam_size, extra, keep,
          visited, stamp, out_ids, out_scores):
     """Greedy beam search from `entry` for unit q [dim]; returns how many results it wrote.
 
     The candidate list, ranked by RaBitQ estimate, holds beam_size + extra nodes; the walk
-    expands the best beam_size and scores each expanded node exactly. At the end the `extra`
-    best unexpanded candidates are scored exactly too (the re-rank: one vector read each,
+    expands the best beam_size and scores each expanded node with its stored row. At the end the
+    `extra` best unexpanded candidates are scored so too (the re-rank: one vector read each,
     where expanding them would cost a neighbour list of estimates). out_ids/out_scores [keep]
-    receive the best unblocked nodes by exact <v, q>, best first. `visited` [cap] holds the
+    receive the best unblocked nodes by stored-row <v, q>, best first. `visited` [cap] holds the
     stamp of the walk that last saw each node.
     """
     qbits = np.zeros((QUERY_BITS, codes.shape[1]), np.uint64)  # [4, W]
@@ -88,7 +105,7 @@ def walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size,
                 todo[n_todo] = nb
                 n_todo += 1
         if not blocked[node]:
-            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node, dot(vectors[node], q))
+            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node, dot(vectors[node], q) * scales[node])
         best = size  # lowest list position a new neighbour takes: the walk resumes there
         for e in range(n_todo):
             nb = todo[e]
@@ -105,12 +122,12 @@ def walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size,
     for i in range(size):  # the re-rank of candidates the walk did not expand
         node = b_ids[i]
         if not b_done[i] and not blocked[node]:
-            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node, dot(vectors[node], q))
+            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node, dot(vectors[node], q) * scales[node])
     return found
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def robust_prune(cand, cand_d, vectors, alpha, degree, out):
+def robust_prune(cand, cand_d, vectors, scales, alpha, degree, out):
     """RobustPrune over candidates `cand` [m] sorted by ascending distance `cand_d` [m].
 
     Keeps the nearest candidate, drops every one it covers (alpha * d(kept, c) <= d(p, c)),
@@ -127,16 +144,17 @@ def robust_prune(cand, cand_d, vectors, alpha, degree, out):
         if count == degree:
             break
         vi = vectors[cand[i]]
+        si = scales[cand[i]]
         for j in range(i + 1, m):
             if alive[j]:
-                d = np.float32(2.0) - np.float32(2.0) * dot(vi, vectors[cand[j]])
+                d = np.float32(2.0) - np.float32(2.0) * dot(vi, vectors[cand[j]]) * si * scales[cand[j]]
                 if alpha * d <= cand_d[j]:
                     alive[j] = 0
     return count
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def _prune_set(p, cand, vectors, alpha, degree, out):
+def _prune_set(p, cand, vectors, scales, alpha, degree, out):
     """RobustPrune of node p over an unsorted, possibly repeating candidate list."""
     cand = np.unique(cand)
     m = 0
@@ -147,18 +165,21 @@ def _prune_set(p, cand, vectors, alpha, degree, out):
     cand = cand[:m]
     d = np.empty(m, np.float32)
     for i in range(m):
-        d[i] = np.float32(2.0) - np.float32(2.0) * dot(vectors[p], vectors[cand[i]])
+        d[i] = np.float32(2.0) - np.float32(2.0) * dot(vectors[p], vectors[cand[i]]) * scales[p] * scales[cand[i]]
     order = np.argsort(d)
-    return robust_prune(cand[order], d[order], vectors, alpha, degree, out)
+    return robust_prune(cand[order], d[order], vectors, scales, alpha, degree, out)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def _link_one(p, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, alpha,
+def _link_one(p, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, beam_size, alpha,
               visited, stamp, out):
     """Search for node p and prune what the walk expanded into p's out-edges `out`."""
     ids = np.empty(beam_size, np.int32)
     scores = np.empty(beam_size, np.float32)
-    found = walk(vectors[p], entry, adj, deg, vectors, codes, factors, signs, blocked,
+    q = np.empty(vectors.shape[1], np.float32)  # [dim] p's row, decoded: the walk's query
+    for i in range(q.shape[0]):
+        q[i] = np.float32(vectors[p, i]) * scales[p]
+    found = walk(q, entry, adj, deg, vectors, scales, codes, factors, signs, blocked,
                  beam_size, 0, beam_size, visited, stamp, ids, scores)
     m = 0
     for i in range(found):
@@ -166,11 +187,11 @@ def _link_one(p, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_
             ids[m] = ids[i]
             scores[m] = np.float32(2.0) - np.float32(2.0) * scores[i]  # ascending distance
             m += 1
-    return robust_prune(ids[:m], scores[:m], vectors, alpha, out.shape[0], out)
+    return robust_prune(ids[:m], scores[:m], vectors, scales, alpha, out.shape[0], out)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def link_range(new, lo, hi, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, alpha,
+def link_range(new, lo, hi, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, beam_size, alpha,
                visited, stamp, out, out_deg):
     """Search and prune for new[lo:hi] against the graph as it is; writes out/out_deg rows.
 
@@ -178,7 +199,7 @@ def link_range(new, lo, hi, entry, adj, deg, vectors, codes, factors, signs, blo
     """
     for i in range(lo, hi):
         stamp += 1
-        out_deg[i] = _link_one(new[i], entry, adj, deg, vectors, codes, factors, signs, blocked,
+        out_deg[i] = _link_one(new[i], entry, adj, deg, vectors, scales, codes, factors, signs, blocked,
                                beam_size, alpha, visited, stamp, out[i])
     return stamp
 
@@ -216,14 +237,14 @@ def reverse_edges(new, out, out_deg, adj, deg):
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def merge_range(targets, sources, bounds, g0, g1, adj, deg, vectors, alpha, degree):
+def merge_range(targets, sources, bounds, g0, g1, adj, deg, vectors, scales, alpha, degree):
     """Merge reverse-edge groups [g0, g1); each group writes only its own target's row."""
     for g in range(g0, g1):
-        _merge_reverse(targets[bounds[g]], sources[bounds[g]: bounds[g + 1]], adj, deg, vectors, alpha, degree)
+        _merge_reverse(targets[bounds[g]], sources[bounds[g]: bounds[g + 1]], adj, deg, vectors, scales, alpha, degree)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def _merge_reverse(j, incoming, adj, deg, vectors, alpha, degree):
+def _merge_reverse(j, incoming, adj, deg, vectors, scales, alpha, degree):
     """Add edges j -> incoming; re-prune j to `degree` when its row [R_slack] overflows.
 
     The slack (DiskANN's 1.3) makes re-prunes rare: a full row absorbs several edges first.
@@ -246,13 +267,13 @@ def _merge_reverse(j, incoming, adj, deg, vectors, alpha, degree):
         deg[j] = m
         return
     out = np.empty(degree, np.int32)
-    count = _prune_set(j, merged[:m], vectors, alpha, degree, out)
+    count = _prune_set(j, merged[:m], vectors, scales, alpha, degree, out)
     adj[j, :count] = out[:count]
     deg[j] = count
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def consolidate_range(lo, hi, adj, deg, vectors, deleted, alpha, degree):
+def consolidate_range(lo, hi, adj, deg, vectors, scales, deleted, alpha, degree):
     """FreshDiskANN's delete consolidation over slots [0, n).
 
     Each live node with a deleted out-neighbour v replaces v by v's live out-neighbours and
@@ -287,27 +308,27 @@ def consolidate_range(lo, hi, adj, deg, vectors, deleted, alpha, degree):
                     cand[m] = w
                     m += 1
         out = np.empty(degree, np.int32)
-        count = _prune_set(p, cand[:m], vectors, alpha, degree, out) if m > 0 else 0
+        count = _prune_set(p, cand[:m], vectors, scales, alpha, degree, out) if m > 0 else 0
         adj[p, :count] = out[:count]
         deg[p] = count
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def search_one(q, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, extra, k, visited, stamp):
-    """Top-k (ids [<=k], exact scores) for one unit query q [dim]."""
+def search_one(q, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, beam_size, extra, k, visited, stamp):
+    """Top-k (ids [<=k], stored-row scores) for one unit query q [dim]."""
     ids = np.empty(k, np.int32)
     scores = np.empty(k, np.float32)
-    found = walk(q, entry, adj, deg, vectors, codes, factors, signs, blocked, max(beam_size, k), extra, k,
+    found = walk(q, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, max(beam_size, k), extra, k,
                  visited, stamp, ids, scores)
     return ids[:found], scores[:found]
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def search_range(queries, lo, hi, entry, adj, deg, vectors, codes, factors, signs, blocked, beam_size, extra, k,
+def search_range(queries, lo, hi, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, beam_size, extra, k,
                  visited, stamp, ids, scores):
     """Top-k for queries[lo:hi] into ids/scores rows [m, k] (pre-filled with -1 / -inf)."""
     for i in range(lo, hi):
         stamp += 1
-        walk(queries[i], entry, adj, deg, vectors, codes, factors, signs, blocked,
+        walk(queries[i], entry, adj, deg, vectors, scales, codes, factors, signs, blocked,
              max(beam_size, k), extra, k, visited, stamp, ids[i], scores[i])
     return stamp
