@@ -5,8 +5,9 @@ Data: clustered synthetic unit vectors (any size), or real MiniLM embeddings of 
 (base) and questions (queries), read from the file by path. Per index: build time (2 threads),
 bytes per vector (the index's own structures, serialised size for the libraries, array bytes
 for ours; not RSS), recall@10 against exact search and QPS with 1 thread (one query per call,
-best of 3 passes) over a sweep of its search parameter, QPS with 2 threads at the parameter
-that first reaches recall 0.95, batched and one-at-a-time insert throughput, and recall after
+best of 3 passes) over a sweep of its search parameter; then, at the parameter that first
+reaches recall 0.95, QPS with 1 and 2 threads timed in interleaved rounds across all indexes
+(the table's columns: medians); batched and one-at-a-time insert throughput, and recall after
 deleting 10% (plus consolidation for ours).
 faiss-cpu and hnswlib are optional (`pip install -e '.[bench]'`); a missing one is reported
 and skipped, the rest still run.
@@ -44,6 +45,7 @@ class AnnConfig:
     locomo: str = ""  # LoCoMo JSON path (data="locomo"); n, extra and queries then come from it
     name: str = "ann"  # results go to <out>/<name>.json and <name>.png
     exact_queries: int = 200  # the exact scan is timed on this many queries when n > 200k
+    rounds: int = 5  # interleaved timing rounds at each index's recall-0.95 parameter
 
 
 @dataclass
@@ -53,7 +55,8 @@ class AnnResult:
     build_s: float = float("nan")
     bytes_per_vector: float = float("nan")
     sweep: list[dict] = field(default_factory=list)  # {param, recall, qps1}
-    qps2: float = float("nan")  # 2 threads, one query per call, at the parameter of qps_at(0.95)
+    qps1: float = float("nan")  # 1 thread, one query per call, at the parameter of qps_at(0.95): the
+    qps2: float = float("nan")  # median over interleaved rounds (see `interleave`); qps2: 2 threads
     insert_batch_vps: float = float("nan")
     insert_one_vps: float = float("nan")
     recall_after_delete: float | None = None
@@ -122,7 +125,7 @@ def sweep(search_one, set_param, params, queries: np.ndarray, truth: np.ndarray)
     return rows
 
 
-def qps_threads(search_one, queries: np.ndarray, threads: int = 2) -> float:
+def qps_threads(search_one, queries: np.ndarray, threads: int = 2, passes: int = PASSES) -> float:
     """Queries/s with `threads` Python threads, each searching its share one query per call.
 
     Every index here releases the GIL while it searches, so the threads run side by side.
@@ -130,16 +133,42 @@ def qps_threads(search_one, queries: np.ndarray, threads: int = 2) -> float:
     parts = np.array_split(queries, threads)
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
-        for _ in range(PASSES):
+        for _ in range(passes):
             t = time.perf_counter()
             list(pool.map(lambda part: [search_one(q) for q in part], parts))
             best = min(best, time.perf_counter() - t)
     return len(queries) / best
 
 
-def _qps2(res: "AnnResult", search_one, set_param, queries: np.ndarray) -> None:
-    set_param(_param_at(res))
-    res.qps2 = qps_threads(search_one, queries)
+@dataclass
+class Timed:
+    """A built index, paused by its runner between the sweep and the writes, for `interleave`."""
+
+    res: AnnResult
+    search_one: object
+    set_param: object
+    queries: np.ndarray
+
+
+def interleave(timed: list[Timed], rounds: int, log=print) -> None:
+    """QPS1 and QPS2 of every index at its recall-0.95 parameter, timed in turn, round after round.
+
+    On a shared machine a slow minute hits whichever index runs in it; taking turns spreads such
+    minutes over all of them, and the median over rounds drops the worst ones.
+    """
+    one = {id(t): [] for t in timed}
+    two = {id(t): [] for t in timed}
+    for r in range(rounds):
+        for t in timed:
+            t.set_param(_param_at(t.res))
+            start = time.perf_counter()
+            for q in t.queries:
+                t.search_one(q)
+            one[id(t)].append(len(t.queries) / (time.perf_counter() - start))
+            two[id(t)].append(qps_threads(t.search_one, t.queries, passes=1))
+        log(f"interleaved round {r + 1}/{rounds}: " + ", ".join(f"{t.res.name} {one[id(t)][-1]:.0f}" for t in timed))
+    for t in timed:
+        t.res.qps1, t.res.qps2 = float(np.median(one[id(t)])), float(np.median(two[id(t)]))
 
 
 def load_data(cfg: AnnConfig, log=print) -> tuple[AnnConfig, np.ndarray, np.ndarray, np.ndarray]:
@@ -174,17 +203,23 @@ def locomo_embeddings(cfg: AnnConfig, log=print) -> tuple[np.ndarray, np.ndarray
 def run(cfg: AnnConfig = AnnConfig(), log=print) -> dict:
     cfg, base, extra, queries = load_data(cfg, log)
     truth = exact_top(base, queries, 10)
-    results, missing = [], []
-    for name in cfg.indexes:
-        runner = RUNNERS[name]
+    results, missing, paused = [], [], []
+    for name in cfg.indexes:  # each runner builds and sweeps, then pauses at its `yield`
+        runner = RUNNERS[name](cfg, base, extra, queries, truth, log)
         try:
-            res = runner(cfg, base, extra, queries, truth, log)
+            paused.append((runner, next(runner)))
         except ImportError as e:
             missing.append(f"{name}: {e} -> {INSTALL_HINT}")
             log(f"skipped {name}: {e}; install with {INSTALL_HINT}")
             continue
-        results.append(res)
-        log(summary_row(res))
+        log(f"{name}: built and swept")
+    interleave([t for _, t in paused], cfg.rounds, log)
+    for runner, _ in paused:  # then inserts and deletes, one index at a time
+        try:
+            next(runner)
+        except StopIteration as done:
+            results.append(done.value)
+            log(summary_row(done.value))
     return {"config": asdict(cfg), "machine": machine(), "results": [asdict(r) for r in results], "missing": missing}
 
 
@@ -199,7 +234,7 @@ def machine() -> dict:
 
 def summary_row(r: AnnResult) -> str:
     at = r.qps_at(TARGET_RECALL)
-    qps = f"{at[0]:.0f} ({at[1]})" if at else "-"
+    qps = f"{r.qps1:.0f} ({at[1]})" if at else "-"
     best = max((s["recall"] for s in r.sweep), default=float("nan"))
     after = "-" if r.recall_after_delete is None else f"{r.recall_after_delete:.3f}"
     return (f"| {r.name} {r.params} | {r.build_s:.1f} | {r.bytes_per_vector:.0f} | {qps} | {r.qps2:.0f} | {best:.3f} "
@@ -253,8 +288,9 @@ def temp_size(save) -> int:
 
 
 # -- the indexes ------------------------------------------------------------------------------
-# Each runner: build (head + timed tail batch), sweep, one-by-one inserts of `extra`, then
-# delete 10% of the base and measure recall at the parameter that first reached 0.95.
+# Each runner is a generator: build (head + timed tail batch) and sweep, then yield a `Timed`
+# (run() times every index in turn there), then one-by-one inserts of `extra`, then delete 10%
+# of the base and measure recall at the parameter that first reached 0.95; it returns its result.
 
 
 def _pad(ids: np.ndarray, k: int = 10) -> np.ndarray:
@@ -299,9 +335,9 @@ def run_graph(cfg, base, extra, queries, truth, log) -> AnnResult:
     res.bytes_per_vector = sum(a.nbytes for a in g.state().values()) / cfg.n
     beam = [10]
     search = lambda q: _pad(g.search(q, 10, beam[0])[0])  # noqa: E731
-    res.sweep = sweep(search, lambda p: beam.__setitem__(0, p), (10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128),
-                      queries, truth)
-    _qps2(res, search, lambda p: beam.__setitem__(0, p), queries)
+    res.sweep = sweep(search, lambda p: beam.__setitem__(0, p),
+                      (10, 12, 16, 20, 24, 28, 32, 36, 40, 48, 64, 96, 128), queries, truth)
+    yield Timed(res, search, lambda p: beam.__setitem__(0, p), queries)
     t = time.perf_counter()
     for v in extra:
         g.add(v[None, :])
@@ -330,7 +366,7 @@ def run_faiss_hnsw(cfg, base, extra, queries, truth, log) -> AnnResult:
     faiss.omp_set_num_threads(1)
     search, set_ef = lambda q: ix.search(q[None, :], 10)[1][0], lambda p: setattr(ix.hnsw, "efSearch", p)  # noqa: E731
     res.sweep = sweep(search, set_ef, (10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 256), queries, truth)
-    _qps2(res, search, set_ef, queries)
+    yield Timed(res, search, set_ef, queries)
     faiss.omp_set_num_threads(cfg.threads)
     t = time.perf_counter()
     for v in extra:
@@ -358,7 +394,7 @@ def run_faiss_ivf_rabitq(cfg, base, extra, queries, truth, log) -> AnnResult:
     faiss.omp_set_num_threads(1)
     search, set_nprobe = lambda q: ix.search(q[None, :], 10)[1][0], lambda p: setattr(ivf, "nprobe", p)  # noqa: E731
     res.sweep = sweep(search, set_nprobe, (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128), queries, truth)
-    _qps2(res, search, set_nprobe, queries)
+    yield Timed(res, search, set_nprobe, queries)
     faiss.omp_set_num_threads(cfg.threads)
     t = time.perf_counter()
     for v in extra:
@@ -400,7 +436,7 @@ def run_hnswlib(cfg, base, extra, queries, truth, log) -> AnnResult:
     ix.set_num_threads(1)
     search = lambda q: ix.knn_query(q[None, :], 10)[0][0]  # noqa: E731
     res.sweep = sweep(search, ix.set_ef, (10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 256), queries, truth)
-    _qps2(res, search, ix.set_ef, queries)
+    yield Timed(res, search, ix.set_ef, queries)
     t = time.perf_counter()
     for v in extra:
         add(v[None, :])
@@ -439,7 +475,7 @@ def run_exact(cfg, base, extra, queries, truth, log) -> AnnResult:
     if cfg.n > 200_000:  # a full scan per query: time a subset
         queries, truth = queries[: cfg.exact_queries], truth[: cfg.exact_queries]
     res.sweep = sweep(search, lambda p: None, ("-",), queries, truth)
-    res.qps2 = qps_threads(search, queries)
+    yield Timed(res, search, lambda p: None, queries)
     return res
 
 

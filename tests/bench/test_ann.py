@@ -13,7 +13,7 @@ def _check(result: dict, n: int) -> ann.AnnResult:
     graph = rows["kvmem-graph"]
     assert result["config"]["n"] == n and graph.build_s > 0
     assert max(s["recall"] for s in graph.sweep) >= 0.95
-    assert graph.qps2 > 0 and graph.insert_batch_vps > 0 and graph.insert_one_vps > 0
+    assert graph.qps1 > 0 and graph.qps2 > 0 and graph.insert_batch_vps > 0 and graph.insert_one_vps > 0
     assert graph.recall_after_delete >= 0.9
     exact = next(r for name, r in rows.items() if name.startswith("exact"))
     assert exact.sweep[0]["recall"] == 1.0 and exact.qps2 > 0
