@@ -36,7 +36,7 @@ class GraphParams:
     build_beam: int = 48  # L while inserting
     alpha: float = 1.2  # RobustPrune's long-edge factor
     slack: float = 1.3  # rows hold up to slack * R edges before a re-prune (DiskANN's factor)
-    search_beam: int = 32  # L while searching (raised to k when smaller)
+    search_beam: int = 36  # L while searching (raised to k when smaller): recall@10 ~0.96 at 100k
     rerank: int = 16  # unexpanded candidates scored with their stored rows after the walk
     vector_bits: int = 8  # stored rows for scoring and pruning: 8 (int8 + scale) or 32 (exact)
     max_batch_share: float = 0.02  # a batch links at most this share of the graph at once

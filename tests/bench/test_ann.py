@@ -25,8 +25,10 @@ def test_clustered_run_reports_every_column(tmp_path):
     cfg = ann.AnnConfig(n=3000, queries=50, extra=100, centres=30, indexes=("kvmem-graph", "exact"), name="tiny")
     result = ann.run(cfg, log=lambda *a: None)
     _check(result, 3000)
+    assert [f["share"] for f in result["filtered"]] == [0.01, 0.1, 0.5]
+    assert all(f["recall"] >= 0.95 and f["qps1"] > 0 and f["path"] == "scan" for f in result["filtered"])  # < 2,000 pass
     table = ann.report(result, tmp_path)
-    assert "QPS2" in table and "kvmem-graph" in table
+    assert "QPS2" in table and "kvmem-graph" in table and "| 50% | scan |" in table
     assert json.loads((tmp_path / "tiny.json").read_text())["config"]["name"] == "tiny"
     assert (tmp_path / "tiny.png").stat().st_size > 0
 
