@@ -299,3 +299,29 @@ def test_bad_input_is_refused():
     with pytest.raises(InvalidInputError):
         GraphParams(degree=32, build_beam=16)
     assert len(g) == 0
+
+
+def test_remembered_filter_results_follow_every_write():
+    """A scope remembers which slots pass a filter; adds, replaces and deletes must not see stale ones."""
+    g = GraphIndex(DIM, GraphIndexConfig(exact_below=0))
+    g.add("u", IDS[:3000], DATA[:3000], METAS[:3000])
+    odd = {"tag": "odd"}
+    q = QUERIES[0]
+    before = g.search("u", q, K, odd)
+    assert g.search("u", q, K, odd) == before  # remembered: same answer
+    g.add("u", ["new"], q[None, :], [{"tag": "odd", "b": 0}])  # the best possible match
+    assert g.search("u", q, K, odd)[0].id == "new"
+    g.add("u", ["new"], q[None, :], [{"tag": "even", "b": 0}])  # re-added: no longer passes
+    assert "new" not in {h.id for h in g.search("u", q, K, odd)}
+    assert g.search("u", q, K, {"tag": "even"})[0].id == "new"
+    g.delete("u", ["new", before[0].id])
+    hits = {h.id for h in g.search("u", q, K, odd)}
+    assert "new" not in hits and before[0].id not in hits
+    rare = {"b": {"lt": 1}}  # 1%: the scan path, remembered the same way
+    first = g.search("u", q, K, rare)[0].id
+    g.delete("u", [first])
+    assert first not in {h.id for h in g.search("u", q, K, rare)}
+    scope = g._scopes["u"]
+    for i in range(12):  # more filters than a scope remembers: the oldest are dropped
+        g.search("u", q, K, {"b": {"lt": i + 20}})
+    assert len(scope._passing) == graph_module.FILTERS_REMEMBERED
