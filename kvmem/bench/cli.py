@@ -84,6 +84,8 @@ def add_parsers(sub) -> None:
     a.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds at recall 0.95 (default: 5)")
+    a.add_argument("--no-filtered", dest="filtered", action="store_false",
+                   help="skip the filtered GraphIndex timings (a second build of the data)")
     a.set_defaults(func=cmd_ann)
 
     e = sub.add_parser("eval", help="answer-quality evaluations")
@@ -227,7 +229,7 @@ def cmd_ann(args, config) -> int:
     name = args.name or ("ann-locomo" if args.data == "locomo" else "ann" if args.n == 100_000 else f"ann-{args.n}")
     cfg = ann.AnnConfig(n=args.n, dim=args.dim, queries=args.queries, threads=args.threads, seed=args.seed,
                         centres=max(1, args.n // 100), data=args.data, locomo=str(args.locomo or ""), name=name,
-                        rounds=args.rounds,
+                        rounds=args.rounds, filtered=args.filtered,
                         **({"indexes": args.indexes} if args.indexes else {}))
     print(ann.report(ann.run(cfg), args.out or RESULTS))
     return 0

@@ -33,6 +33,7 @@ from kvmem.index.filters import Filters, matcher, validate_filters
 from kvmem.index.persist import atomic_write
 from kvmem.index.rwlock import RWLock
 from kvmem.index.vamana import GraphParams, VamanaGraph
+from kvmem.index.vamana_kernels import score_slots
 
 FORMAT = "kvmem-graph-index/2"  # 2 added int8 rows + scales
 READABLE = (FORMAT, "kvmem-graph-index/1")
@@ -44,7 +45,8 @@ class GraphIndexConfig:
 
     graph: GraphParams = field(default_factory=GraphParams)
     exact_below: int = 2_000  # scopes with fewer live vectors are scanned in full
-    filter_exact_share: float = 0.1  # filters passing less than this share are scanned in full
+    filter_exact_share: float = 0.2  # filters passing less than this share are scanned in full (at 100k,
+    # 10% passing: scan 1,480 q/s recall 0.998 vs walk 470 q/s 0.889; 30%: walk 1,256 vs scan 438)
     max_filter_beam: int = 1_024  # a filtered walk widens its beam by 1/share up to this
 
 
@@ -272,11 +274,25 @@ def _restore_scope(spec: dict, state: dict[str, np.ndarray], params: GraphParams
 
 
 def _scan(scope: _Scope, slots: np.ndarray, q: np.ndarray, k: int) -> list[Hit]:
-    """Exact top-k over `slots` [m]."""
+    """Top-k over `slots` [m] by their stored rows, scored in place (no decoded copy, no id list)."""
     if len(slots) == 0:
         return []
-    scores = scope.graph.rows(slots) @ q  # [m, dim] @ [dim] -> [m]
-    return top_k(scores, [scope.ids[s] for s in slots.tolist()], k)
+    g = scope.graph
+    scores = score_slots(g.vectors, g.scales, slots, q)  # [m]
+    return top_k(scores, _SlotIds(scope.ids, slots), k)
+
+
+class _SlotIds:
+    """ids of `slots` by position, looked up only for the few rows `top_k` returns."""
+
+    def __init__(self, ids: list[str | None], slots: np.ndarray) -> None:
+        self.ids, self.slots = ids, slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i: int) -> str:
+        return self.ids[self.slots[i]]
 
 
 def _hits(scope: _Scope, slots: np.ndarray, scores: np.ndarray, k: int) -> list[Hit]:

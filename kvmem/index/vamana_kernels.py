@@ -321,3 +321,13 @@ def search_range(queries, lo, hi, entry, adj, deg, vectors, scales, codes, facto
         walk(queries[i], entry, adj, deg, vectors, scales, codes, factors, signs, blocked,
              max(beam_size, k), extra, k, visited, stamp, ids[i], scores[i])
     return stamp
+
+
+@njit(cache=True, fastmath=FASTMATH, nogil=True)
+def score_slots(vectors, scales, slots, q):
+    """<row, q> for the stored rows of `slots` [m] (a filtered scan): float32 [m], no decoded copy."""
+    out = np.empty(slots.shape[0], np.float32)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        out[i] = dot(vectors[s], q) * scales[s]
+    return out
