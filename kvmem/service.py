@@ -128,9 +128,7 @@ class KVMem:
             user = change.get("user_id")
             if user:
                 with self._write_lock:
-                    self.index.remove(user, fact_id)
-                    self.lexical.remove(user, fact_id)
-                    self.budget.forget(fact_id)
+                    self._unindex(user, fact_id)
             return
         with self._write_lock:
             if record.embedding is not None:
@@ -265,21 +263,23 @@ class KVMem:
         """Forget: the text, the vector and the KV blob are gone; the history keeps the event only."""
         with self._write_lock:
             record = self.facts.delete(fact_id)
-            self.index.remove(record.scope.user_id, fact_id)
-            self.lexical.remove(record.scope.user_id, fact_id)
+            self._unindex(record.scope.user_id, fact_id)
             self.kv.delete(fact_id)
-            self.budget.forget(fact_id)
 
     def delete_all(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None) -> int:
         scope = Scope(user_id, agent_id, run_id)
         with self._write_lock:
             ids = self.facts.delete_scope(scope)
             for fact_id in ids:
-                self.index.remove(user_id, fact_id)
-                self.lexical.remove(user_id, fact_id)
+                self._unindex(user_id, fact_id)
                 self.kv.delete(fact_id)
-                self.budget.forget(fact_id)
         return len(ids)
+
+    def _unindex(self, user_id: str, fact_id: str) -> None:
+        """Drop a forgotten fact from the vector and word indexes and the disk budget (write lock held)."""
+        self.index.remove(user_id, fact_id)
+        self.lexical.remove(user_id, fact_id)
+        self.budget.forget(fact_id)
 
     def reset(self) -> None:
         """Forget everything: every user's facts, vectors, history and blobs."""

@@ -381,7 +381,7 @@ def run_graph(cfg, base, extra, queries, truth, log) -> AnnResult:
     beam = [10]
     search = lambda q: _pad(g.search(q, 10, beam[0])[0])  # noqa: E731
     res.sweep = sweep(search, lambda p: beam.__setitem__(0, p),
-                      (10, 12, 16, 20, 24, 28, 32, 36, 40, 48, 64, 96, 128), queries, truth)
+                      (10, 12, 16, 20, 24, 28, 32, 36, 40, 48, 64, 96, 128, 192, 256), queries, truth)
     yield Timed(res, search, lambda p: beam.__setitem__(0, p), queries)
     t = time.perf_counter()
     for v in extra:
