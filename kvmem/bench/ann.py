@@ -280,8 +280,9 @@ def summary_row(r: AnnResult) -> str:
             f"| {r.insert_batch_vps:.0f} | {r.insert_one_vps:.0f} | {after} {r.delete_note} |")
 
 
-TABLE_HEAD = ("| index | build s (2 thr) | bytes/vec | QPS1 @ recall 0.95 (param) | QPS2 (same param) | max recall | "
-              "insert batch v/s | insert 1-by-1 v/s | recall after 10% deletes |\n|---|---|---|---|---|---|---|---|---|")
+TABLE_HEAD = ("| index | build s (2 thr) | bytes/vec | QPS1 @ recall 0.95 (param) | QPS2 (same param) "
+              "| max recall | insert batch v/s | insert 1-by-1 v/s | recall after 10% deletes |\n"
+              "|---|---|---|---|---|---|---|---|---|")
 
 
 def report(result: dict, out: Path) -> str:
@@ -296,8 +297,8 @@ def report(result: dict, out: Path) -> str:
         table += ("\n\nGraphIndex under a metadata filter (kvmem-graph defaults; QPS1 once the scope remembers the "
                   "filter's passing rows, first search: testing every row):\n\n"
                   "| passing | path | recall@10 | QPS1 | first search ms |\n|---|---|---|---|---|\n")
-        table += "\n".join(f"| {f['share']:.0%} | {f['path']} | {f['recall']:.3f} | {f['qps1']:.0f} | {f['first_ms']:.0f} |"
-                           for f in result["filtered"])
+        table += "\n".join(f"| {f['share']:.0%} | {f['path']} | {f['recall']:.3f} | {f['qps1']:.0f} "
+                           f"| {f['first_ms']:.0f} |" for f in result["filtered"])
     return table + ("\n\n" + note if note else "") + "".join(f"\n\nmissing: {m}" for m in result["missing"])
 
 

@@ -221,8 +221,8 @@ class VamanaGraph:
             return
         alpha = np.float32(self.params.alpha)
         run_chunks(self.threads, self.size,
-                   lambda t, lo, hi: K.consolidate_range(lo, hi, self.adj, self.deg, self.vectors, self.scales, self.deleted, alpha,
-                                                        self.params.degree))
+                   lambda t, lo, hi: K.consolidate_range(lo, hi, self.adj, self.deg, self.vectors, self.scales,
+                                                        self.deleted, alpha, self.params.degree))
         self.deg[dead] = 0
         self.free.extend(int(s) for s in dead)
         if self.deleted[self.entry]:
@@ -271,9 +271,9 @@ class VamanaGraph:
         beam = beam or self.params.search_beam
 
         def walk(t: int, lo: int, hi: int) -> None:
-            stamps[t] = K.search_range(queries, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.scales, self.codes,
-                                       self.factors, self.quantizer.signs, self.deleted, beam, self.params.rerank, k,
-                                       visited[t], stamps[t], ids, scores)
+            stamps[t] = K.search_range(queries, lo, hi, self.entry, self.adj, self.deg, self.vectors, self.scales,
+                                       self.codes, self.factors, self.quantizer.signs, self.deleted, beam,
+                                       self.params.rerank, k, visited[t], stamps[t], ids, scores)
 
         run_chunks(threads, m, walk)
         return ids, scores
@@ -289,7 +289,8 @@ class VamanaGraph:
         n = self.size
         q = self.quantizer
         return {
-            "vectors": self.vectors[:n], "scales": self.scales[:n], "codes": self.codes[:n], "factors": self.factors[:n],
+            "vectors": self.vectors[:n], "scales": self.scales[:n],
+            "codes": self.codes[:n], "factors": self.factors[:n],
             "adj": self.adj[:n], "deg": self.deg[:n], "deleted": self.deleted[:n],
             "free": np.asarray(self.free, np.int64),
             "meta": np.asarray([self.dim, n, self.entry], np.int64),

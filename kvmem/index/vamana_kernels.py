@@ -35,6 +35,12 @@ def dot(a, b):
     return s
 
 
+@njit(cache=True, fastmath=FASTMATH, nogil=True, inline="always")
+def row_score(vectors, scales, node, q):
+    """<row node, q> for a float32 query q [dim], the row's scale applied."""
+    return dot(vectors[node], q) * scales[node]
+
+
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
 def _insert_sorted(ids, scores, flags, size, cap, node, score):
     """Insert into a list sorted by descending score, kept to `cap` entries; returns (size, pos)."""
@@ -94,7 +100,8 @@ def walk(q, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, be
                 todo[n_todo] = nb
                 n_todo += 1
         if not blocked[node]:
-            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node, dot(vectors[node], q) * scales[node])
+            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node,
+                                      row_score(vectors, scales, node, q))
         best = size  # lowest list position a new neighbour takes: the walk resumes there
         for e in range(n_todo):
             nb = todo[e]
@@ -111,7 +118,8 @@ def walk(q, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, be
     for i in range(size):  # the re-rank of candidates the walk did not expand
         node = b_ids[i]
         if not b_done[i] and not blocked[node]:
-            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node, dot(vectors[node], q) * scales[node])
+            found, _ = _insert_sorted(out_ids, out_scores, dummy, found, keep, node,
+                                      row_score(vectors, scales, node, q))
     return found
 
 
@@ -303,7 +311,8 @@ def consolidate_range(lo, hi, adj, deg, vectors, scales, deleted, alpha, degree)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
-def search_one(q, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, beam_size, extra, k, visited, stamp):
+def search_one(q, entry, adj, deg, vectors, scales, codes, factors, signs, blocked, beam_size, extra, k, visited,
+               stamp):
     """Top-k (ids [<=k], stored-row scores) for one unit query q [dim]."""
     ids = np.empty(k, np.int32)
     scores = np.empty(k, np.float32)
@@ -328,6 +337,5 @@ def score_slots(vectors, scales, slots, q):
     """<row, q> for the stored rows of `slots` [m] (a filtered scan): float32 [m], no decoded copy."""
     out = np.empty(slots.shape[0], np.float32)
     for i in range(slots.shape[0]):
-        s = slots[i]
-        out[i] = dot(vectors[s], q) * scales[s]
+        out[i] = row_score(vectors, scales, slots[i], q)
     return out
