@@ -162,11 +162,8 @@ def interleave(timed: list[Timed], rounds: int, log=print) -> None:
     for r in range(rounds):
         for t in timed:
             t.set_param(_param_at(t.res))
-            start = time.perf_counter()
-            for q in t.queries:
-                t.search_one(q)
-            one[id(t)].append(len(t.queries) / (time.perf_counter() - start))
-            two[id(t)].append(qps_threads(t.search_one, t.queries, passes=1))
+            one[id(t)].append(qps_threads(t.search_one, t.queries, threads=1, passes=1))
+            two[id(t)].append(qps_threads(t.search_one, t.queries, threads=2, passes=1))
         log(f"interleaved round {r + 1}/{rounds}: " + ", ".join(f"{t.res.name} {one[id(t)][-1]:.0f}" for t in timed))
     for t in timed:
         t.res.qps1, t.res.qps2 = float(np.median(one[id(t)])), float(np.median(two[id(t)]))
