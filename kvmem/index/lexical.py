@@ -8,6 +8,7 @@ would (tests/index/test_lexical.py checks that against a fresh index).
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 import threading
@@ -134,6 +135,19 @@ class _Scope:
         return cached
 
 
+def _top_rows(vec: np.ndarray, rows: np.ndarray, top: int, ids: list[str | None]) -> np.ndarray:
+    """The `top` of `rows` by vec [rows], ties at the cut broken by smaller id.
+
+    Keeping every tie instead let a query of common words carry thousands of equal scores into
+    the fusion (4.8 ms per hybrid search at 10k facts, docs/benchmarks.md)."""
+    cut = np.partition(vec[rows], len(rows) - top)[len(rows) - top]
+    above, tied = rows[vec[rows] > cut], rows[vec[rows] == cut]
+    need = top - len(above)
+    if len(tied) > need:
+        tied = np.asarray(heapq.nsmallest(need, tied.tolist(), key=ids.__getitem__), dtype=rows.dtype)
+    return np.concatenate([above, tied])
+
+
 class LexicalIndex:
     """Fact texts per scope; `search` ranks by BM25, best first, ties by id."""
 
@@ -175,8 +189,9 @@ class LexicalIndex:
 
     def scores(self, scope_key: str, query: str, filters: Mapping[str, Any] | Filters | None = None,
                top: int | None = None, also: Iterable[str] = ()) -> dict[str, float]:
-        """BM25 of the facts sharing a term with the query (the `top` best of them, ties
-        included, when given), plus the score of each id in `also` (0 if it shares none)."""
+        """BM25 of the facts sharing a term with the query (the `top` best of them when given,
+        ties at the cut going to the smaller ids, as `search` orders them), plus the score of
+        each id in `also` (0 if it shares none)."""
         conditions = validate_filters(filters)
         with self._lock:
             scope = self._scopes.get(scope_key)
@@ -190,8 +205,7 @@ class LexicalIndex:
                 vec[rows[~keep]] = 0.0
                 rows = rows[keep]
             if top is not None and top < len(rows):
-                threshold = np.partition(vec[rows], len(rows) - top)[len(rows) - top]
-                rows = rows[vec[rows] >= threshold]  # ties at the threshold stay: ids break them
+                rows = _top_rows(vec, rows, top, scope.ids)
             out = {scope.ids[r]: float(vec[r]) for r in rows}
             for fact_id in also:
                 row = scope.rows.get(fact_id)

@@ -77,3 +77,17 @@ def test_in_place_updates_equal_a_rebuild():
                     assert got == [(h.id, round(h.score, 9)) for h in fresh.search(s, q, 20)]
     assert index.remove_scope("u1") == len(live["u1"]) and index.count("u1") == 0
     assert not index.remove("u1", "f1")
+
+
+def test_top_keeps_exactly_top_with_ties_to_the_smaller_ids():
+    """Equal scores at the cut do not all ride along (a query of common words tied thousands of
+    facts and carried them all into the fusion); the smaller ids win, as `search` orders them."""
+    index = LexicalIndex()
+    ids = [f"f{i:02d}" for i in range(30)]
+    index.add("u", ids[::-1], ["lake sunrise"] * 30)  # added in reverse: row order is not id order
+    index.add("u", ["best"], ["lake lake sunrise"])
+    scores = index.scores("u", "lake", top=5)
+    assert len(scores) == 5
+    assert sorted(scores) == ["best", "f00", "f01", "f02", "f03"]
+    assert set(index.scores("u", "lake", top=5, also=["f29"])) == set(scores) | {"f29"}
+    assert [h.id for h in index.search("u", "lake", 3)] == ["best", "f00", "f01"]
