@@ -189,7 +189,7 @@ class GraphIndex(VectorIndex):
             return _scan(scope, passed, q, k)
         blocked = np.ones(len(scope.graph.deleted), np.uint8)  # [cap]; 0 = may be returned
         blocked[passed] = 0
-        beam = min(cfg.max_filter_beam, math.ceil(scope.graph.params.search_beam / share))
+        beam = min(cfg.max_filter_beam, math.ceil(scope.graph.default_beam() / share))
         slots, scores = scope.graph.search(q, k, beam=max(beam, k), blocked=blocked)
         if len(slots) < min(k, len(passed)):
             return _scan(scope, passed, q, k)  # the walk saw too few that pass: scan them all
