@@ -18,13 +18,15 @@ from kvmem.index.base import Hit
 def hybrid_search(vectors, lexical, scope_key: str, vector: np.ndarray, query: str, k: int,
                   conditions: Any = None, depth: int = 100, dense_weight: float = 0.6) -> list[Hit]:
     """Top-k of a scope by fused dense and BM25 scores: the candidates are the top `depth` of
-    each ranking; `vectors` (ExactIndex) gives every candidate's cosine, `lexical`
-    (LexicalIndex) its BM25."""
+    each ranking; `vectors` (a VectorIndex) gives every candidate's cosine (the dense top's
+    from its search, the others' by `similarities`), `lexical` (LexicalIndex) its BM25."""
     depth = max(k, depth)
-    dense_top = [h.id for h in vectors.search(scope_key, vector, depth, conditions)]
-    bm25 = lexical.scores(scope_key, query, conditions, top=depth, also=dense_top)
-    candidates = dense_top + [i for i in bm25 if bm25[i] > 0]
-    return linear(vectors.similarities(scope_key, vector, candidates), bm25, k, dense_weight)
+    dense = {h.id: h.score for h in vectors.search(scope_key, vector, depth, conditions)}
+    bm25 = lexical.scores(scope_key, query, conditions, top=depth, also=dense)
+    others = [i for i, s in bm25.items() if s > 0 and i not in dense]
+    if others:
+        dense.update(vectors.similarities(scope_key, vector, others))
+    return linear(dense, bm25, k, dense_weight)
 
 
 def linear(dense: Mapping[str, float], lexical: Mapping[str, float], k: int, dense_weight: float) -> list[Hit]:
@@ -36,17 +38,18 @@ def linear(dense: Mapping[str, float], lexical: Mapping[str, float], k: int, den
     (k >= 2): a fact that matches the query's words best is never fused away."""
     if not dense:
         return []
-    low, high = min(dense.values()), max(dense.values())
+    ids = list(dense)
+    cos = np.fromiter(dense.values(), np.float64, len(ids))  # [m]
+    bm25 = np.fromiter((lexical.get(i, 0.0) for i in ids), np.float64, len(ids))  # [m]
+    low, high = cos.min(), cos.max()
     top_lexical = max(lexical.values(), default=0.0)
-    fused = {i: dense_weight * ((s - low) / (high - low) if high > low else 1.0)
-             + (1 - dense_weight) * (lexical.get(i, 0.0) / top_lexical if top_lexical > 0 else 0.0)
-             for i, s in dense.items()}
-    ranked = sorted(fused, key=lambda i: (-fused[i], i))
-    pinned = {_best(dense), _best({i: v for i, v in lexical.items() if v > 0 and i in dense})} - {None}
-    pinned = set(sorted(pinned, key=lambda i: (-fused[i], i))[:k])
-    rest = [i for i in ranked if i not in pinned][: k - len(pinned)]
-    return [Hit(i, fused[i]) for i in sorted(pinned | set(rest), key=lambda i: (-fused[i], i))]
-
-
-def _best(scores: Mapping[str, float]) -> str | None:
-    return min(scores, key=lambda i: (-scores[i], i)) if scores else None
+    fused = (dense_weight * ((cos - low) / (high - low) if high > low else np.ones_like(cos))
+             + (1 - dense_weight) * (bm25 / top_lexical if top_lexical > 0 else 0.0))  # [m]
+    names = np.array(ids)
+    ranked = np.lexsort((names, -fused))  # best first, ties by id
+    pinned = {int(np.lexsort((names, -cos))[0])}
+    if (bm25 > 0).any():
+        pinned.add(int(np.lexsort((names, -bm25))[0]))
+    pinned = set(sorted(pinned, key=lambda i: (-fused[i], ids[i]))[:k])
+    rest = [int(i) for i in ranked[: k + len(pinned)] if int(i) not in pinned][: k - len(pinned)]
+    return [Hit(ids[i], float(fused[i])) for i in sorted(pinned | set(rest), key=lambda i: (-fused[i], ids[i]))]
