@@ -110,6 +110,10 @@ def add_parsers(sub) -> None:
     rt = ev.add_parser("retrieval", help="LoCoMo evidence recall@5/10/20 per category: dense, lexical, hybrid")
     rt.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
                     help="comma-separated sample ids (default: all)")
+    rt.add_argument("--memory", choices=eval_retrieval_memories(), default="observations",
+                    help="what is stored: LoCoMo's observations, the raw turns, or both (default: observations)")
+    rt.add_argument("--novel", action="store_true",
+                    help="skip hits whose evidence turns the hits above already cover")
     _common(rt, "retrieval")
     rt.set_defaults(func=cmd_retrieval)
 
@@ -235,13 +239,20 @@ def cmd_ann(args, config) -> int:
     return 0
 
 
+def eval_retrieval_memories() -> tuple[str, ...]:
+    from kvmem.bench.eval_retrieval import MEMORIES  # the CLI imports bench modules lazily
+
+    return MEMORIES
+
+
 def cmd_retrieval(args, config) -> int:
     from kvmem.bench import eval_retrieval
     from kvmem.service import KVMem
 
     with KVMem(config, start_engine=False, background=False) as mem:  # retrieval only: no engine
-        result = eval_retrieval.run(mem, args.data, args.conversations)
+        result = eval_retrieval.run(mem, args.data, args.conversations, memory=args.memory, novel_only=args.novel)
     subset = "-" + "+".join(sorted(args.conversations)) if args.conversations else ""
+    subset += ("" if args.memory == "observations" else f"-{args.memory}") + ("-novel" if args.novel else "")
     print(eval_retrieval.report(result, (args.out or RESULTS) / f"retrieval{subset}"))
     return 0
 

@@ -81,21 +81,15 @@ def _store(mem, conv: dict, cfg: EvalConfig, user: str) -> None:
                     context=context, encode="none")
     else:
         for n, turns, date in locomo.sessions(conv):
-            messages = [_message(conv, t, date) for t in turns]
+            messages = [locomo.message(conv, t, date) for t in turns]
             mem.add(messages, user_id=user, metadata={"session": n}, window=cfg.window_size,
                     encode="none")
-
-
-def _message(conv: dict, turn: dict, date: str) -> dict:
-    speaker_a = conv["conversation"]["speaker_a"]
-    return {"role": "user" if turn["speaker"] == speaker_a else "assistant", "name": turn["speaker"],
-            "content": locomo.turn_text(turn), "timestamp": date}
 
 
 def _observation_context(mem, conv: dict, o: locomo.Observation, window: int) -> str:
     """Context-Window Encoding for an observation: the turns it sums up, rendered as turn facts are."""
     template = mem.config.prompt.fact_template
-    return "".join(template.format(text=turn_text(_message(conv, t, date)))
+    return "".join(template.format(text=turn_text(locomo.message(conv, t, date)))
                    for t, date in locomo.turns_before(conv, o.dia_ids, window))
 
 

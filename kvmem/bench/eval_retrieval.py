@@ -1,9 +1,14 @@
-"""`kvmem eval retrieval`: evidence recall@k of each ranking on LoCoMo observation memory.
+"""`kvmem eval retrieval`: evidence recall@k of each ranking on LoCoMo memory.
 
 No engine: facts are stored and searched only. Per question (categories 1-4 with evidence),
 recall@k is the share of its evidence turns among the sources of the top-k facts. Each ranking
 ("dense", "lexical", "hybrid") is asked for the largest k once; smaller k are its prefixes.
 Search latency per query is reported beside (embedding the query included).
+
+Memory: LoCoMo's observations (one fact per observation, its session date in front), the raw
+turns (one fact per turn, as `add(messages)` stores a conversation), or both in one scope.
+`novel=True` skips a hit whose sources the hits above it already cover (with both stored, an
+observation and the turn it sums up otherwise take two of the k places for one piece of evidence).
 """
 
 from __future__ import annotations
@@ -18,27 +23,53 @@ from kvmem.bench import locomo
 from kvmem.bench.eval_locomo import dia_ids_of
 from kvmem.bench.report import write_json
 from kvmem.config import RETRIEVAL_MODES
+from kvmem.errors import InvalidInputError
 
 KS = (5, 10, 20)
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 
 
-def build(mem, conv: dict) -> str:
-    """The conversation's observations under their own user (kept from an earlier run)."""
-    user = f"retrieval-{conv['sample_id']}"
-    if not mem.get_all(user_id=user, limit=1):
-        obs = locomo.observations(conv)
-        for o in obs:
+MEMORIES = ("observations", "turns", "both")
+NOVEL_DEPTH = 3  # a novel ranking reads this many times the largest k before skipping
+
+
+def build(mem, conv: dict, memory: str = "observations") -> str:
+    """The conversation's memory under its own user (kept from an earlier run)."""
+    user = f"retrieval-{conv['sample_id']}" + ("" if memory == "observations" else f"-{memory}")
+    if mem.get_all(user_id=user, limit=1):
+        return user
+    if memory in ("observations", "both"):
+        for o in locomo.observations(conv):
             mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)},
                     encode="none")
+    if memory in ("turns", "both"):
+        for n, turns, date in locomo.sessions(conv):
+            messages = [locomo.message(conv, t, date) for t in turns]
+            mem.add(messages, user_id=user, metadata={"session": n}, window=0, encode="none")
     return user
 
 
-def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODES, ks=KS) -> dict:
+def novel(sources: list[set[str]], k: int) -> list[int]:
+    """Positions of the first k hits that each bring a source the hits kept before lack."""
+    kept, seen = [], set()
+    for i, src in enumerate(sources):
+        if src - seen:
+            kept.append(i)
+            seen |= src
+            if len(kept) == k:
+                break
+    return kept
+
+
+def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODES, ks=KS,
+        memory: str = "observations", novel_only: bool = False) -> dict:
+    if memory not in MEMORIES:
+        raise InvalidInputError(f"memory must be one of {MEMORIES}, got {memory!r}")
     convs = [c for c in locomo.load(data) if not conversations or c["sample_id"] in conversations]
     rows, latency = [], {r: [] for r in rankings}
+    depth = max(ks) * (NOVEL_DEPTH if novel_only else 1)
     for conv in tqdm(convs, desc="eval retrieval", unit="conv"):
-        user = build(mem, conv)
+        user = build(mem, conv, memory)
         for q in locomo.questions(conv):
             evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
             if not evidence:
@@ -46,12 +77,14 @@ def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODE
             row = {"conversation": conv["sample_id"], "category": q["category"]}
             for ranking in rankings:
                 start = time.perf_counter()
-                hits = mem.search(q["question"], user_id=user, k=max(ks), ranking=ranking)
+                hits = mem.search(q["question"], user_id=user, k=depth, ranking=ranking)
                 latency[ranking].append(time.perf_counter() - start)
                 sources = [dia_ids_of(mem.get(h.id)) for h in hits]
+                sources = [sources[i] for i in novel(sources, max(ks))] if novel_only else sources[: max(ks)]
                 row[ranking] = {k: len(evidence & set().union(*sources[:k])) / len(evidence) for k in ks}
             rows.append(row)
-    return {"conversations": [c["sample_id"] for c in convs], "ks": list(ks), "rankings": list(rankings),
+    return {"conversations": [c["sample_id"] for c in convs], "memory": memory, "novel": novel_only,
+            "ks": list(ks), "rankings": list(rankings),
             "recall": _table(rows, rankings, ks), "questions": len(rows),
             "search_ms_p50": {r: 1e3 * statistics.median(v) for r, v in latency.items() if v}}
 
@@ -68,7 +101,8 @@ def _table(rows: list[dict], rankings, ks) -> dict:
 def report(result: dict, out: Path) -> str:
     path = write_json(result, out.with_suffix(".json"))
     ks = result["ks"]
-    lines = [f"Evidence recall@k on {', '.join(result['conversations'])} ({result['questions']} questions)", "",
+    how = result.get("memory", "observations") + (", novel hits only" if result.get("novel") else "")
+    lines = [f"Evidence recall@k on {', '.join(result['conversations'])} ({result['questions']} questions; {how})", "",
              "| ranking | group | n | " + " | ".join(f"recall@{k}" for k in ks) + " |",
              "|---|---|---|" + "---|" * len(ks)]
     for ranking, groups in result["recall"].items():

@@ -63,6 +63,13 @@ def turns_before(conversation: dict, dia_ids: tuple[str, ...], window: int) -> l
     return order[max(0, end - window) : end]
 
 
+def message(conversation: dict, turn: dict, date: str) -> dict:
+    """A turn as a chat message for `KVMem.add`: the first speaker is the user."""
+    speaker_a = conversation["conversation"]["speaker_a"]
+    return {"role": "user" if turn["speaker"] == speaker_a else "assistant", "name": turn["speaker"],
+            "content": turn_text(turn), "timestamp": date}
+
+
 def turn_text(turn: dict) -> str:
     caption = f" [shares {turn['blip_caption']}]" if turn.get("blip_caption") else ""
     return f"{turn['text']}{caption}".strip() or caption.strip()
