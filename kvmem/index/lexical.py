@@ -138,8 +138,8 @@ class _Scope:
 def _top_rows(vec: np.ndarray, rows: np.ndarray, top: int, ids: list[str | None]) -> np.ndarray:
     """The `top` of `rows` by vec [rows], ties at the cut broken by smaller id.
 
-    Keeping every tie instead let a query of common words carry thousands of equal scores into
-    the fusion (4.8 ms per hybrid search at 10k facts, docs/benchmarks.md)."""
+    Keeping every tie instead let a query of common words carry every fact tied at the cut into
+    the fusion, however many: short facts over a small vocabulary tie by the hundreds."""
     cut = np.partition(vec[rows], len(rows) - top)[len(rows) - top]
     above, tied = rows[vec[rows] > cut], rows[vec[rows] == cut]
     need = top - len(above)
