@@ -40,7 +40,7 @@ def run(n: int, centres: int, grid: list[tuple[int, int]], beams: tuple[int, ...
         beam = [10]
         curve = sweep(lambda q: _pad(g.search(q, 10, beam[0])[0]), lambda p: beam.__setitem__(0, p), beams,
                       queries, truth)
-        rows.append({"R": degree, "L": build_beam, "build_s": t2 - t0, "insert_batch_vps": (n - head) / (t2 - t1),
+        rows.append({"R": degree, "L": build_beam, "default_beam": g.default_beam(), "build_s": t2 - t0, "insert_batch_vps": (n - head) / (t2 - t1),
                      "bytes_per_vector": sum(a.nbytes for a in g.state().values()) / n, "sweep": curve})
         print(f"R{degree} L{build_beam}: build {t2 - t0:.1f} s, batch inserts {rows[-1]['insert_batch_vps']:.0f} v/s,",
               " ".join(f"{s['param']}:{s['recall']:.3f}/{s['qps1']:.0f}" for s in curve), flush=True)
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=100_000)
     ap.add_argument("--centres", type=int, default=1_000)
     ap.add_argument("--grid", default="32x48,48x64", help="comma-separated RxL pairs")
-    ap.add_argument("--beams", default="16,20,24,28,32,36")
+    ap.add_argument("--beams", default="16,20,24,28,32,36", help="search beams; 0 = the graph's default beam")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     grid = [tuple(int(v) for v in pair.split("x")) for pair in args.grid.split(",")]
