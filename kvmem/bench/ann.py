@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmem.errors import InvalidInputError
+
 INSTALL_HINT = "pip install -e '.[bench]'   (faiss-cpu==1.15.1, hnswlib==0.8.0)"
 TARGET_RECALL = 0.95
 
@@ -176,7 +178,7 @@ def load_data(cfg: AnnConfig, log=print) -> tuple[AnnConfig, np.ndarray, np.ndar
     elif cfg.data == "locomo":
         base, extra, queries = locomo_embeddings(cfg, log)
     else:
-        raise ValueError(f"unknown data set {cfg.data!r}: clustered or locomo")
+        raise InvalidInputError(f"unknown data set {cfg.data!r}: clustered or locomo")
     return replace(cfg, n=len(base), extra=len(extra), queries=len(queries), dim=base.shape[1]), base, extra, queries
 
 

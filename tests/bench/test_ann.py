@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from kvmem.bench import ann
 
 
@@ -40,3 +42,10 @@ def test_locomo_data_embeds_turns_as_base_and_questions_as_queries(locomo_path):
     assert base.shape[1] == queries.shape[1] == 384 and sized.n == len(base) and sized.extra == len(extra)
     assert math.isclose(float((base * base).sum(1).mean()), 1.0, rel_tol=1e-3)  # MiniLM's unit vectors
     assert len(extra) == (len(base) + len(extra)) // 10 and sized.queries == len(queries) > 0
+
+
+def test_an_unknown_data_set_is_refused_with_the_projects_error():
+    from kvmem.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="clustered or locomo"):
+        ann.load_data(ann.AnnConfig(n=100, data="sift"), log=lambda *a: None)
