@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from kvmem.index.remembered import RememberedFilters
+
 MIN_CAPACITY = 16
 
 
@@ -20,6 +22,7 @@ class ScopeBlock:
         self.ids: list[str] = []  # ids[i] owns row i
         self.metas: list[dict[str, Any]] = []  # metas[i] describes row i
         self.rows: dict[str, int] = {}  # id -> row
+        self.filters = RememberedFilters()  # rows passing recent filters, until the next write
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -30,6 +33,7 @@ class ScopeBlock:
 
     def upsert(self, ids: Sequence[str], vectors: np.ndarray, metas: Sequence[dict[str, Any]]) -> None:
         """Write rows [n, dim]; a known id keeps its row, a new one is appended."""
+        self.filters.invalidate()
         last = {id_: i for i, id_ in enumerate(ids)}  # a batch repeating an id keeps its last copy
         self._reserve(len(self.ids) + len(last))
         targets, sources = [], []
@@ -49,6 +53,7 @@ class ScopeBlock:
         row = self.rows.pop(id_, None)
         if row is None:
             return False
+        self.filters.invalidate()  # rows move: the last takes the removed one's place
         last = len(self.ids) - 1
         if row != last:
             self.vectors[row] = self.vectors[last]

@@ -18,6 +18,7 @@ from kvmem.index.base import Hit, VectorIndex
 from kvmem.index.block import ScopeBlock
 from kvmem.index.checks import check_ids, check_metadatas, check_scope, unit_query, unit_rows
 from kvmem.index.filters import Filters, matcher, validate_filters
+from kvmem.index.remembered import RowIds
 from kvmem.index.rwlock import RWLock
 
 
@@ -110,11 +111,12 @@ def _search_block(block: ScopeBlock, q: np.ndarray, k: int, conditions: Filters)
     if not conditions:
         return top_k(block.live() @ q, block.ids, k)  # [size, dim] @ [dim] -> [size]
     match = matcher(conditions)
-    rows = [i for i, meta in enumerate(block.metas) if match(meta)]
-    if not rows:
+    rows = block.filters.passing(conditions, lambda: np.asarray(
+        [i for i, meta in enumerate(block.metas) if match(meta)], np.int64))  # [m]
+    if not len(rows):
         return []
     scores = block.vectors[rows] @ q  # [m, dim] @ [dim] -> [m]
-    return top_k(scores, [block.ids[i] for i in rows], k)
+    return top_k(scores, RowIds(block.ids, rows), k)
 
 
 def top_k(scores: np.ndarray, ids: Sequence[str], k: int) -> list[Hit]:

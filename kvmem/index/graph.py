@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import zipfile
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime
@@ -31,6 +29,7 @@ from kvmem.index.checks import check_ids, check_metadatas, check_scope, unit_que
 from kvmem.index.exact import top_k
 from kvmem.index.filters import Filters, matcher, validate_filters
 from kvmem.index.persist import atomic_write
+from kvmem.index.remembered import RememberedFilters, RowIds
 from kvmem.index.rwlock import RWLock
 from kvmem.index.vamana import GraphParams, VamanaGraph
 from kvmem.index.vamana_kernels import score_slots
@@ -50,7 +49,6 @@ class GraphIndexConfig:
     max_filter_beam: int = 1_024  # a filtered walk widens its beam by 1/share up to this
 
 
-FILTERS_REMEMBERED = 8  # per scope: the passing slots of this many recent filters
 
 
 class _Scope:
@@ -61,15 +59,13 @@ class _Scope:
         self.ids: list[str | None] = []  # ids[slot]; None for a free or tombstoned slot
         self.metas: list[dict[str, Any] | None] = []  # metas[slot]
         self.rows: dict[str, int] = {}  # id -> slot
-        self.version = 0  # bumped by every write: remembered filter results older than it are stale
-        self._passing: OrderedDict[Filters, tuple[int, np.ndarray]] = OrderedDict()
-        self._passing_lock = threading.Lock()  # searches share the index's read lock
+        self.filters = RememberedFilters()  # passing slots of recent filters, until the next write
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def upsert(self, ids: list[str], rows: np.ndarray, metas: list[dict[str, Any]]) -> None:
-        self.version += 1
+        self.filters.invalidate()
         last = {id_: i for i, id_ in enumerate(ids)}  # a batch repeating an id keeps its last copy
         self.delete([id_ for id_ in last if id_ in self.rows])
         src = list(last.values())
@@ -81,7 +77,7 @@ class _Scope:
             self.ids[slot], self.metas[slot], self.rows[id_] = id_, metas[i], slot
 
     def delete(self, ids: list[str]) -> None:
-        self.version += 1
+        self.filters.invalidate()
         slots = [self.rows.pop(id_) for id_ in ids]
         for slot in slots:
             self.ids[slot] = self.metas[slot] = None
@@ -92,25 +88,10 @@ class _Scope:
         return np.fromiter(self.rows.values(), np.int64, len(self.rows))
 
     def passing(self, conditions: Filters) -> np.ndarray:
-        """Live slots [m] whose metadata satisfies `conditions`, remembered until the next write.
-
-        Testing a filter runs a Python predicate per row (about 1 us each: 0.1 s at 100k), so a
-        scope remembers the answer for its last few filters; a service's filters repeat (a
-        category, an agent, a date range), and any write makes the remembered answers stale.
-        """
-        with self._passing_lock:
-            hit = self._passing.get(conditions)
-            if hit is not None and hit[0] == self.version:
-                self._passing.move_to_end(conditions)
-                return hit[1]
+        """Live slots [m] whose metadata satisfies `conditions` (remembered until the next write)."""
         match = matcher(conditions)
-        passed = np.asarray([s for s in self.live_slots().tolist() if match(self.metas[s])], np.int64)
-        with self._passing_lock:
-            self._passing[conditions] = (self.version, passed)
-            self._passing.move_to_end(conditions)
-            while len(self._passing) > FILTERS_REMEMBERED:
-                self._passing.popitem(last=False)
-        return passed
+        return self.filters.passing(conditions, lambda: np.asarray(
+            [s for s in self.live_slots().tolist() if match(self.metas[s])], np.int64))
 
 
 class GraphIndex(VectorIndex):
@@ -279,20 +260,7 @@ def _scan(scope: _Scope, slots: np.ndarray, q: np.ndarray, k: int) -> list[Hit]:
         return []
     g = scope.graph
     scores = score_slots(g.vectors, g.scales, slots, q)  # [m]
-    return top_k(scores, _SlotIds(scope.ids, slots), k)
-
-
-class _SlotIds:
-    """ids of `slots` by position, looked up only for the few rows `top_k` returns."""
-
-    def __init__(self, ids: list[str | None], slots: np.ndarray) -> None:
-        self.ids, self.slots = ids, slots
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def __getitem__(self, i: int) -> str:
-        return self.ids[self.slots[i]]
+    return top_k(scores, RowIds(scope.ids, slots), k)
 
 
 def _hits(scope: _Scope, slots: np.ndarray, scores: np.ndarray, k: int) -> list[Hit]:

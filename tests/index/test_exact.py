@@ -113,6 +113,31 @@ def test_filter_first_then_top_k():
     assert ix.search("u", unit(1, 0), 3, {"i": {"gt": 100}}) == []
 
 
+
+def test_remembered_filter_results_follow_every_write():
+    """A scope remembers which rows pass its recent filters; every add, re-add and swap-remove
+    must make that stale. Oracle: a brute-force filter over what is live, after each write."""
+    from kvmem.index.filters import matches
+
+    rng = np.random.default_rng(0)
+    ix, live = ExactIndex(4), {}
+    filters = [{"tag": "a"}, {"n": {"gte": 5}}, {"tag": {"in": ["b", "c"]}, "n": {"lt": 7}}]
+    q = unit(1, 0.5, 0.2, 0.1)
+    for step in range(120):
+        fact = f"f{rng.integers(30)}"
+        if live and rng.random() < 0.3:
+            victim = sorted(live)[rng.integers(len(live))]
+            assert ix.remove("u", victim)
+            del live[victim]
+        else:
+            meta, vec = {"tag": "abc"[rng.integers(3)], "n": int(rng.integers(10))}, rng.normal(size=4)
+            ix.add("u", [fact], vec[None, :], [meta])
+            live[fact] = (vec / np.linalg.norm(vec), meta)
+        for f in filters:
+            got = {h.id for h in ix.search("u", q, 50, f)}
+            assert got == {i for i, (_, m) in live.items() if matches(m, f)}, (step, f)
+    assert len(ix._scopes["u"].filters) == len(filters)  # remembered, and refreshed after writes
+
 def test_metadata_is_copied():
     ix = ExactIndex(2)
     meta = {"user": "ana"}

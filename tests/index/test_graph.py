@@ -13,6 +13,7 @@ from kvmem.index import ExactIndex, VectorIndex
 from kvmem.index import graph as graph_module
 from kvmem.index.graph import GraphIndex, GraphIndexConfig
 from kvmem.index.rabitq import RaBitQ, estimate, prepare_query
+from kvmem.index.remembered import FILTERS_REMEMBERED
 from kvmem.index.vamana import GraphParams
 
 DIM = 128
@@ -342,4 +343,4 @@ def test_remembered_filter_results_follow_every_write():
     scope = g._scopes["u"]
     for i in range(12):  # more filters than a scope remembers: the oldest are dropped
         g.search("u", q, K, {"b": {"lt": i + 20}})
-    assert len(scope._passing) == graph_module.FILTERS_REMEMBERED
+    assert len(scope.filters) == FILTERS_REMEMBERED
