@@ -49,8 +49,6 @@ class GraphIndexConfig:
     max_filter_beam: int = 1_024  # a filtered walk widens its beam by 1/share up to this
 
 
-
-
 class _Scope:
     """One scope: its graph plus the id and metadata of every slot."""
 
