@@ -33,7 +33,7 @@ from kvmem.facts.messages import check_messages, turn_facts
 from kvmem.facts.scope import Scope
 from kvmem.facts import open_fact_store
 from kvmem.facts.store import MAX_LIMIT, FactRecord, HistoryEvent
-from kvmem.facts.text import check_fact_text, check_nested, check_unicode
+from kvmem.facts.text import check_fact_text, check_nested, check_unicode, search_text
 from kvmem.index import Hit, validate_filters
 from kvmem.index import fusion
 from kvmem.index.lexical import LexicalIndex
@@ -108,9 +108,9 @@ class KVMem:
         for fact_id, scope_key, vector, metadata in self.facts.embeddings():
             scope = Scope.from_key(scope_key)
             index.add(scope.user_id, [fact_id], vector[None, :], [_index_metadata(scope, metadata)])
-        for fact_id, scope_key, text, metadata in self.facts.texts():
+        for fact_id, scope_key, text, context, metadata in self.facts.texts():
             scope = Scope.from_key(scope_key)
-            lexical.add(scope.user_id, [fact_id], [text], [_index_metadata(scope, metadata)])
+            lexical.add(scope.user_id, [fact_id], [search_text(text, context)], [_index_metadata(scope, metadata)])
         return index, lexical
 
     def _on_fact_change(self, change: dict) -> None:
@@ -135,7 +135,7 @@ class KVMem:
                 self._index(record, record.embedding)
             else:  # its text changed and the new vector is not stored yet: found by words only
                 self.index.remove(record.scope.user_id, record.id)
-                self.lexical.add(record.scope.user_id, [record.id], [record.text],
+                self.lexical.add(record.scope.user_id, [record.id], [search_text(record.text, record.context)],
                                  [_index_metadata(record.scope, record.metadata)])
 
     def _new_budget(self) -> DiskBudget:
@@ -180,7 +180,7 @@ class KVMem:
         if encode not in ENCODE_MODES:
             raise InvalidInputError(f"encode must be one of {ENCODE_MODES}, got {encode!r}")
         items = self._items(messages, facts, context, window, metadata)
-        vectors = self.embedder.embed([i["text"] for i in items])  # [n, dim]
+        vectors = self.embedder.embed([search_text(i["text"], i["context"]) for i in items])  # [n, dim]
         with self._write_lock:
             pairs = self.facts.add_many([dict(i, scope=scope, embedding=v) for i, v in zip(items, vectors)])
             new = [r for r, created in pairs if created]
@@ -238,7 +238,7 @@ class KVMem:
         """Both indexes, in step (caller holds the write lock)."""
         meta = [_index_metadata(record.scope, record.metadata)]
         self.index.add(record.scope.user_id, [record.id], vector[None, :], meta)
-        self.lexical.add(record.scope.user_id, [record.id], [record.text], meta)
+        self.lexical.add(record.scope.user_id, [record.id], [search_text(record.text, record.context)], meta)
 
     def encode_pending(self, timeout: float = 600.0) -> bool:
         """Block until the background encoder has nothing left to do."""
@@ -248,7 +248,7 @@ class KVMem:
         """New text: re-embedded, re-indexed and re-encoded (the old KV is dropped at once)."""
         old = self.facts.get(fact_id)
         self._checked_text(text, old.context)
-        vector = self.embedder.embed([text.strip()])[0]
+        vector = self.embedder.embed([search_text(text.strip(), old.context)])[0]
         with self._write_lock:
             record = self.facts.update(fact_id, text.strip(), metadata=metadata, embedding=vector)
             if record.text != old.text:

@@ -6,6 +6,7 @@ import pytest
 
 from kvmem.config import Config
 from kvmem.errors import InvalidInputError
+from kvmem.facts.text import search_text
 from kvmem.index.lexical import LexicalIndex
 from kvmem.service import KVMem
 
@@ -24,8 +25,8 @@ def mem(tmp_path, model_dir):
 
 def rebuilt(mem) -> LexicalIndex:
     fresh = LexicalIndex()
-    for fact_id, _, text, _ in mem.facts.texts():
-        fresh.add(mem.get(fact_id).scope.user_id, [fact_id], [text])
+    for fact_id, _, text, context, _ in mem.facts.texts():
+        fresh.add(mem.get(fact_id).scope.user_id, [fact_id], [search_text(text, context)])
     return fresh
 
 
@@ -66,6 +67,31 @@ def test_lexical_index_follows_updates_deletes_and_filters(mem):
     assert mem.search("pottery", user_id="u", k=5) == [] and mem.lexical.count("u") == 0
     mem.reset()
     assert mem.lexical.count("other") == 0
+
+
+PUPPY = [{"role": "user", "content": "My sister adopted a puppy called Bruno."},
+         {"role": "assistant", "content": "How lovely! What is it like?"},
+         {"role": "user", "content": "She walks him on the beach at sunrise."}]
+
+
+def test_a_turn_is_found_by_the_turns_it_is_encoded_after(tmp_path, model_dir):
+    """The third turn never names Bruno; its window does. Searched by its text alone, the first
+    turn (which names him) came first for the query; the restarted service must agree."""
+    config = Config(home=tmp_path / "home", models_home=model_dir.parent)
+    with KVMem(config, start_engine=False) as mem:
+        ids = mem.add(PUPPY, user_id="u", window=2, encode="none").ids
+        for ranking in ("lexical", "hybrid"):
+            top = mem.search("Where does Bruno walk?", user_id="u", k=1, ranking=ranking)[0]
+            assert (top.id, top.text) == (ids[2], "user: She walks him on the beach at sunrise."), ranking
+        assert_in_step(mem, "u")
+        mem.update(ids[2], "She walks him in the park at sunrise.")
+        assert mem.search("Where does Bruno walk?", user_id="u", k=1, ranking="lexical")[0].id == ids[2]
+    with KVMem(config, start_engine=False) as mem:
+        assert mem.search("Where does Bruno walk?", user_id="u", k=1, ranking="lexical")[0].id == ids[2]
+        assert_in_step(mem, "u")
+        plain = mem.add(PUPPY, user_id="v", window=0, encode="none").ids
+        assert [h.id for h in mem.search("Bruno", user_id="v", k=5, ranking="lexical")] == [plain[0]]
+        assert ids[2] in [h.id for h in mem.search("Bruno", user_id="u", k=5, ranking="lexical")]
 
 
 @pytest.mark.parametrize("ranking", ["hybrid", "dense", "lexical"])

@@ -114,6 +114,9 @@ def add_parsers(sub) -> None:
                     help="what is stored: LoCoMo's observations, the raw turns, or both (default: observations)")
     rt.add_argument("--novel", action="store_true",
                     help="skip hits whose evidence turns the hits above already cover")
+    rt.add_argument("--window", type=int, default=2,
+                    help="turns: the turns before each that it is stored after, searched and encoded with "
+                         "(default: 2, as add(messages) does)")
     _common(rt, "retrieval")
     rt.set_defaults(func=cmd_retrieval)
 
@@ -250,9 +253,11 @@ def cmd_retrieval(args, config) -> int:
     from kvmem.service import KVMem
 
     with KVMem(config, start_engine=False, background=False) as mem:  # retrieval only: no engine
-        result = eval_retrieval.run(mem, args.data, args.conversations, memory=args.memory, novel_only=args.novel)
+        result = eval_retrieval.run(mem, args.data, args.conversations, memory=args.memory, novel_only=args.novel,
+                                    window=args.window)
     subset = "-" + "+".join(sorted(args.conversations)) if args.conversations else ""
-    subset += ("" if args.memory == "observations" else f"-{args.memory}") + ("-novel" if args.novel else "")
+    subset += "" if args.memory == "observations" else f"-{args.memory}-w{args.window}"
+    subset += "-novel" if args.novel else ""
     print(eval_retrieval.report(result, (args.out or RESULTS) / f"retrieval{subset}"))
     return 0
 

@@ -6,7 +6,8 @@ recall@k is the share of its evidence turns among the sources of the top-k facts
 Search latency per query is reported beside (embedding the query included).
 
 Memory: LoCoMo's observations (one fact per observation, its session date in front), the raw
-turns (one fact per turn, as `add(messages)` stores a conversation), or both in one scope.
+turns (one fact per turn, as `add(messages)` stores a conversation: searched with the `window`
+turns before it), or both in one scope.
 `novel=True` skips a hit whose sources the hits above it already cover (with both stored, an
 observation and the turn it sums up otherwise take two of the k places for one piece of evidence).
 """
@@ -33,9 +34,9 @@ MEMORIES = ("observations", "turns", "both")
 NOVEL_DEPTH = 3  # a novel ranking reads this many times the largest k before skipping
 
 
-def build(mem, conv: dict, memory: str = "observations") -> str:
+def build(mem, conv: dict, memory: str = "observations", window: int = 2) -> str:
     """The conversation's memory under its own user (kept from an earlier run)."""
-    user = f"retrieval-{conv['sample_id']}" + ("" if memory == "observations" else f"-{memory}")
+    user = f"retrieval-{conv['sample_id']}" + ("" if memory == "observations" else f"-{memory}-w{window}")
     if mem.get_all(user_id=user, limit=1):
         return user
     if memory in ("observations", "both"):
@@ -45,7 +46,7 @@ def build(mem, conv: dict, memory: str = "observations") -> str:
     if memory in ("turns", "both"):
         for n, turns, date in locomo.sessions(conv):
             messages = [locomo.message(conv, t, date) for t in turns]
-            mem.add(messages, user_id=user, metadata={"session": n}, window=0, encode="none")
+            mem.add(messages, user_id=user, metadata={"session": n}, window=window, encode="none")
     return user
 
 
@@ -62,14 +63,14 @@ def novel(sources: list[set[str]], k: int) -> list[int]:
 
 
 def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODES, ks=KS,
-        memory: str = "observations", novel_only: bool = False) -> dict:
+        memory: str = "observations", novel_only: bool = False, window: int = 2) -> dict:
     if memory not in MEMORIES:
         raise InvalidInputError(f"memory must be one of {MEMORIES}, got {memory!r}")
     convs = [c for c in locomo.load(data) if not conversations or c["sample_id"] in conversations]
     rows, latency = [], {r: [] for r in rankings}
     depth = max(ks) * (NOVEL_DEPTH if novel_only else 1)
     for conv in tqdm(convs, desc="eval retrieval", unit="conv"):
-        user = build(mem, conv, memory)
+        user = build(mem, conv, memory, window)
         for q in locomo.questions(conv):
             evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
             if not evidence:
@@ -83,7 +84,7 @@ def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODE
                 sources = [sources[i] for i in novel(sources, max(ks))] if novel_only else sources[: max(ks)]
                 row[ranking] = {k: len(evidence & set().union(*sources[:k])) / len(evidence) for k in ks}
             rows.append(row)
-    return {"conversations": [c["sample_id"] for c in convs], "memory": memory, "novel": novel_only,
+    return {"conversations": [c["sample_id"] for c in convs], "memory": memory, "novel": novel_only, "window": window,
             "ks": list(ks), "rankings": list(rankings),
             "recall": _table(rows, rankings, ks), "questions": len(rows),
             "search_ms_p50": {r: 1e3 * statistics.median(v) for r, v in latency.items() if v}}
@@ -102,6 +103,8 @@ def report(result: dict, out: Path) -> str:
     path = write_json(result, out.with_suffix(".json"))
     ks = result["ks"]
     how = result.get("memory", "observations") + (", novel hits only" if result.get("novel") else "")
+    if result.get("memory", "observations") != "observations":
+        how += f", turns searched with the {result.get('window', 0)} before"
     lines = [f"Evidence recall@k on {', '.join(result['conversations'])} ({result['questions']} questions; {how})", "",
              "| ranking | group | n | " + " | ".join(f"recall@{k}" for k in ks) + " |",
              "|---|---|---|" + "---|" * len(ks)]

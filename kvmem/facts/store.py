@@ -399,10 +399,10 @@ class FactStore:
         for row in self._columns("id, scope_key, embedding, metadata", "embedding IS NOT NULL"):
             yield row["id"], row["scope_key"], _vector_from(row["embedding"]), json.loads(row["metadata"])
 
-    def texts(self) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
-        """(fact_id, scope_key, text, metadata) of every fact."""
-        for row in self._columns("id, scope_key, text, metadata", "TRUE"):
-            yield row["id"], row["scope_key"], row["text"], json.loads(row["metadata"])
+    def texts(self) -> Iterator[tuple[str, str, str, str, dict[str, Any]]]:
+        """(fact_id, scope_key, text, context, metadata) of every fact."""
+        for row in self._columns("id, scope_key, text, context, metadata", "TRUE"):
+            yield row["id"], row["scope_key"], row["text"], row["context"], json.loads(row["metadata"])
 
     def _columns(self, columns: str, where: str) -> Iterator[Mapping[str, Any]]:
         """Every row matching `where`, in rowid order, read in chunks (the lock is not held between)."""

@@ -53,3 +53,14 @@ def check_fact_text(text: object, name: str = "fact") -> str:
     if not visible(text):
         raise InvalidInputError(f"{name} has no visible characters (only controls, zero-width or spaces)")
     return text
+
+
+def search_text(text: str, context: str) -> str:
+    """What a fact is found by: its text, then the context it is encoded after.
+
+    A turn such as "Yes, we went there last summer!" names neither the place nor who went; the
+    turns before it do. Embedding and indexing the turn with that window (the same one its KV is
+    computed after) lifted LoCoMo evidence recall@10 from 0.757 to 0.808 on the tuning
+    conversations (docs/benchmarks.md). The text comes first so that an embedder's truncation
+    cuts the context, never the fact."""
+    return f"{text}\n{context}" if context else text
