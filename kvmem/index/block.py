@@ -1,4 +1,5 @@
-"""One scope's storage: a contiguous float32 block plus parallel id and metadata lists.
+"""One scope's storage: a contiguous float32 block, its int8 copy (kvmem.index.scan reads
+that first), and parallel id and metadata lists.
 
 Rows [0, size) are live and dense. Removing a row moves the last row into its place, so
 there are no tombstones to skip or compact and a search is a single matrix-vector product.
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvmem.index.remembered import RememberedFilters
+from kvmem.index.rowquant import quantize
 
 MIN_CAPACITY = 16
 
@@ -19,6 +21,8 @@ MIN_CAPACITY = 16
 class ScopeBlock:
     def __init__(self, dim: int) -> None:
         self.vectors = np.empty((MIN_CAPACITY, dim), dtype=np.float32)  # [capacity, dim]
+        self.codes = np.empty((MIN_CAPACITY, dim), dtype=np.int8)  # [capacity, dim] vectors / scales
+        self.scales = np.empty(MIN_CAPACITY, dtype=np.float32)  # [capacity]
         self.ids: list[str] = []  # ids[i] owns row i
         self.metas: list[dict[str, Any]] = []  # metas[i] describes row i
         self.rows: dict[str, int] = {}  # id -> row
@@ -30,6 +34,10 @@ class ScopeBlock:
     def live(self) -> np.ndarray:
         """A view of the live rows, [size, dim]; only valid until the next write."""
         return self.vectors[: len(self.ids)]
+
+    def live_codes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Views of the live rows' int8 codes [size, dim] and scales [size], as `live`."""
+        return self.codes[: len(self.ids)], self.scales[: len(self.ids)]
 
     def upsert(self, ids: Sequence[str], vectors: np.ndarray, metas: Sequence[dict[str, Any]]) -> None:
         """Write rows [n, dim]; a known id keeps its row, a new one is appended."""
@@ -48,6 +56,7 @@ class ScopeBlock:
             targets.append(row)
             sources.append(src)
         self.vectors[targets] = vectors[sources]  # [m, dim]
+        self.codes[targets], self.scales[targets] = quantize(vectors[sources], np.int8)
 
     def remove(self, id_: str) -> bool:
         row = self.rows.pop(id_, None)
@@ -57,6 +66,7 @@ class ScopeBlock:
         last = len(self.ids) - 1
         if row != last:
             self.vectors[row] = self.vectors[last]
+            self.codes[row], self.scales[row] = self.codes[last], self.scales[last]
             self.ids[row] = self.ids[last]
             self.metas[row] = self.metas[last]
             self.rows[self.ids[row]] = row
@@ -80,6 +90,8 @@ class ScopeBlock:
             self._resize(max(MIN_CAPACITY, capacity // 2))
 
     def _resize(self, capacity: int) -> None:
-        grown = np.empty((capacity, self.vectors.shape[1]), dtype=np.float32)  # [capacity, dim]
-        grown[: len(self.ids)] = self.live()
-        self.vectors = grown
+        size, dim = len(self.ids), self.vectors.shape[1]
+        vectors, codes = np.empty((capacity, dim), np.float32), np.empty((capacity, dim), np.int8)
+        scales = np.empty(capacity, np.float32)
+        vectors[:size], codes[:size], scales[:size] = self.vectors[:size], self.codes[:size], self.scales[:size]
+        self.vectors, self.codes, self.scales = vectors, codes, scales

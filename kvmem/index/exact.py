@@ -14,19 +14,24 @@ from typing import Any
 import numpy as np
 
 from kvmem.errors import InvalidInputError
-from kvmem.index.base import Hit, VectorIndex
+from kvmem.index.base import Hit, VectorIndex, top_k
 from kvmem.index.block import ScopeBlock
 from kvmem.index.checks import check_ids, check_metadatas, check_scope, unit_query, unit_rows
 from kvmem.index.filters import Filters, matcher, validate_filters
 from kvmem.index.remembered import RowIds
 from kvmem.index.rwlock import RWLock
+from kvmem.index.scan import scan_top_k
+
+
+SCAN_FROM = 4096  # rows from which an unfiltered search reads the int8 copies first (kvmem.index.scan)
 
 
 class ExactIndex(VectorIndex):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, scan_from: int = SCAN_FROM) -> None:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise InvalidInputError(f"dim must be an int >= 1, got {dim!r}")
         self.dim = dim
+        self.scan_from = scan_from
         self._scopes: dict[str, ScopeBlock] = {}
         self._lock = RWLock()
 
@@ -82,6 +87,8 @@ class ExactIndex(VectorIndex):
             block = self._scopes.get(scope_key)
             if block is None:
                 return []
+            if not conditions and len(block) >= self.scan_from:
+                return scan_top_k(block.live(), *block.live_codes(), block.ids, q, int(k))
             return _search_block(block, q, int(k), conditions)
 
     def similarities(self, scope_key: str, query: np.ndarray, ids: Sequence[str]) -> dict[str, float]:
@@ -117,17 +124,3 @@ def _search_block(block: ScopeBlock, q: np.ndarray, k: int, conditions: Filters)
         return []
     scores = block.vectors[rows] @ q  # [m, dim] @ [dim] -> [m]
     return top_k(scores, RowIds(block.ids, rows), k)
-
-
-def top_k(scores: np.ndarray, ids: Sequence[str], k: int) -> list[Hit]:
-    """The k best of `scores` [m] (ids[i] owns scores[i]), best first, equal scores by id."""
-    if k < len(scores):
-        part = np.argpartition(-scores, k - 1)[:k]  # [k], unordered
-        # argpartition picks arbitrarily among scores equal to the k-th; take them all so
-        # the id tie-break below decides, not the partition.
-        candidates = np.flatnonzero(scores >= scores[part].min())
-    else:
-        candidates = np.arange(len(scores))
-    pairs = zip(scores[candidates].tolist(), candidates.tolist())
-    best = sorted(pairs, key=lambda p: (-p[0], ids[p[1]]))[:k]
-    return [Hit(ids[i], score) for score, i in best]

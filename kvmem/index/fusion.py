@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmem.index.base import Hit
+from kvmem.index.base import Hit, best_first
 
 
 def hybrid_search(vectors, lexical, scope_key: str, vector: np.ndarray, query: str, k: int,
@@ -45,11 +45,16 @@ def linear(dense: Mapping[str, float], lexical: Mapping[str, float], k: int, den
     top_lexical = max(lexical.values(), default=0.0)
     fused = (dense_weight * ((cos - low) / (high - low) if high > low else np.ones_like(cos))
              + (1 - dense_weight) * (bm25 / top_lexical if top_lexical > 0 else 0.0))  # [m]
-    names = np.array(ids)
-    ranked = np.lexsort((names, -fused))  # best first, ties by id
-    pinned = {int(np.lexsort((names, -cos))[0])}
+    ranked = best_first(fused, ids.__getitem__).tolist()  # best first, ties by id
+    pinned = {_best(cos, ids)}
     if (bm25 > 0).any():
-        pinned.add(int(np.lexsort((names, -bm25))[0]))
-    pinned = set(sorted(pinned, key=lambda i: (-fused[i], ids[i]))[:k])
-    rest = [int(i) for i in ranked[: k + len(pinned)] if int(i) not in pinned][: k - len(pinned)]
-    return [Hit(ids[i], float(fused[i])) for i in sorted(pinned | set(rest), key=lambda i: (-fused[i], ids[i]))]
+        pinned.add(_best(bm25, ids))
+    place = {i: p for p, i in enumerate(ranked)}
+    pinned = set(sorted(pinned, key=place.__getitem__)[:k])
+    chosen = pinned | set([i for i in ranked[: k + len(pinned)] if i not in pinned][: k - len(pinned)])
+    return [Hit(ids[i], float(fused[i])) for i in sorted(chosen, key=place.__getitem__)]
+
+
+def _best(values: np.ndarray, ids: list[str]) -> int:
+    """Position of the highest of `values` [m], the smallest id among equals."""
+    return min(np.flatnonzero(values == values.max()).tolist(), key=ids.__getitem__)

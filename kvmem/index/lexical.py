@@ -24,6 +24,7 @@ from kvmem.index.checks import check_ids, check_metadatas, check_scope
 from kvmem.index.filters import Filters, matcher, validate_filters
 
 K1, B = 1.5, 0.75  # Lucene's BM25 constants; LoCoMo recall is flat across k1 0.9-2 and b 0.3-1
+_IMPACT_TERMS = 4096  # query terms whose BM25 shares a scope remembers between writes
 
 _WORD = re.compile(r"(?u)\b\w\w+\b")  # words of two characters or more
 # NLTK's English stopwords, plus "would" and "could" (on LoCoMo tuning conversations this list
@@ -64,6 +65,7 @@ class _Scope:
         self.alive = np.zeros(16, dtype=bool)  # [capacity] row holds a live fact
         self.postings: dict[str, tuple[list[int], list[int]]] = {}  # term -> (rows, counts)
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # term -> postings as arrays
+        self._impacts: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # term -> live rows, BM25 share
         self.total = 0  # terms over the live rows
 
     def __len__(self) -> int:
@@ -85,6 +87,7 @@ class _Scope:
         self.lengths[row] = sum(counts.values())
         self.alive[row] = True
         self.total += int(self.lengths[row])
+        self._impacts.clear()
         for term, n in counts.items():
             rows, tfs = self.postings.setdefault(term, ([], []))
             rows.append(row)
@@ -97,6 +100,7 @@ class _Scope:
             return False
         self.total -= int(self.lengths[row])
         self.alive[row] = False
+        self._impacts.clear()
         self.ids[row] = self.counts[row] = self.metas[row] = None
         if len(self.ids) > 32 and len(self.ids) > 2 * len(self.rows):
             self._compact()
@@ -111,21 +115,32 @@ class _Scope:
     def scores(self, query_terms: list[str]) -> np.ndarray:
         """BM25 of every row [rows] (dead rows and rows sharing no term score 0)."""
         out = np.zeros(len(self.ids), dtype=np.float64)
-        n = len(self.rows)
-        if not n:
-            return out
-        avg = self.total / n if self.total else 1.0
         for term in set(query_terms):
-            if term not in self.postings:
-                continue
-            rows, tfs = self._postings(term)
-            live = self.alive[rows]
-            rows, tfs = rows[live], tfs[live]
-            if not len(rows):
-                continue
-            idf = math.log(1 + (n - len(rows) + 0.5) / (len(rows) + 0.5))
-            out[rows] += idf * tfs * (K1 + 1) / (tfs + K1 * (1 - B + B * self.lengths[rows] / avg))
+            rows, impact = self._impact(term)
+            out[rows] += impact
         return out
+
+    def _impact(self, term: str) -> tuple[np.ndarray, np.ndarray]:
+        """The live rows holding `term` and its share of their BM25 [p], remembered until the
+        next write: every write moves the row count and mean length the share depends on, and
+        between writes a repeated term then costs one scatter-add (BM25 at 10k facts took
+        ~0.5 ms recomputing every share per query)."""
+        cached = self._impacts.get(term)
+        if cached is not None:
+            return cached
+        if term not in self.postings or not self.rows:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        rows, tfs = self._postings(term)
+        live = self.alive[rows]
+        rows, tfs = rows[live], tfs[live]
+        n = len(self.rows)
+        avg = self.total / n if self.total else 1.0
+        idf = math.log(1 + (n - len(rows) + 0.5) / (len(rows) + 0.5))
+        impact = idf * tfs * (K1 + 1) / (tfs + K1 * (1 - B + B * self.lengths[rows] / avg))  # [p]
+        if len(self._impacts) >= _IMPACT_TERMS:
+            self._impacts.clear()
+        self._impacts[term] = (rows, impact)
+        return rows, impact
 
     def _postings(self, term: str) -> tuple[np.ndarray, np.ndarray]:
         cached = self._arrays.get(term)

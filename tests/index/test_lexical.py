@@ -68,7 +68,7 @@ def test_in_place_updates_equal_a_rebuild():
             text = " ".join(rng.choices(words, k=rng.randint(1, 8)))
             index.add(scope, [fact_id], [text])
             live[scope][fact_id] = text
-        if step % 50 == 49:
+        if step % 5 == 4:  # often: BM25 shares are remembered between writes
             for s, docs in live.items():
                 fresh = build(docs, s) if docs else LexicalIndex()
                 assert index.count(s) == len(docs)
