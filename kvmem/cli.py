@@ -89,6 +89,8 @@ def cmd_add(args: argparse.Namespace, config: Config) -> int:
         raise InvalidInputError("give facts as arguments or --messages FILE.json, not both and not neither")
     if args.window is not None and args.messages is None:
         raise InvalidInputError("--window applies to --messages only")
+    if args.timestamp is not None and args.messages is not None:
+        raise InvalidInputError("--timestamp applies to facts; messages carry their own")
     metadata = _json_arg("--metadata", args.metadata, dict)
     messages = _read_messages(args.messages) if args.messages is not None else None
     scope = {"user_id": args.user, "agent_id": args.agent, "run_id": args.run}
@@ -98,7 +100,7 @@ def cmd_add(args: argparse.Namespace, config: Config) -> int:
             result = mem.add(messages, **scope, metadata=metadata, window=args.window,
                              encode="none" if args.no_encode else "sync")
         else:
-            result = mem.add(facts=list(args.facts), **scope, metadata=metadata,
+            result = mem.add(facts=list(args.facts), **scope, metadata=metadata, timestamp=args.timestamp,
                              encode="none" if args.no_encode else "sync")
         seen: set[str] = set()
         for fact_id in result.ids:
@@ -339,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metadata", metavar="JSON", help="a JSON object stored with every fact")
     p.add_argument("--window", type=_non_negative_int, metavar="N",
                    help="with --messages: turns of context each turn is encoded after (default: 2)")
+    p.add_argument("--timestamp", metavar="WHEN",
+                   help="with facts: when they held, shown before each ('2023-05-09' reads as '9 May 2023')")
     p.add_argument("--no-encode", action="store_true",
                    help="store and index only, without starting the engine; KV is encoded the next time one starts")
     p.set_defaults(func=cmd_add)

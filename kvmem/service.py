@@ -29,7 +29,7 @@ from typing import Iterator
 from kvmem.config import RETRIEVAL_MODES, Config, KVConfig
 from kvmem.encoding import EncodeReport, Encoder, salt
 from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
-from kvmem.facts.messages import check_messages, turn_facts
+from kvmem.facts.messages import check_messages, dated, turn_facts
 from kvmem.facts.scope import Scope
 from kvmem.facts import open_fact_store
 from kvmem.facts.store import MAX_LIMIT, FactRecord, HistoryEvent
@@ -174,12 +174,17 @@ class KVMem:
 
     def add(self, messages: str | list[dict] | None = None, *, user_id: str, agent_id: str | None = None,
             run_id: str | None = None, facts: list[str] | None = None, metadata: dict | None = None,
-            context: str = "", window: int | None = None, encode: str = "sync") -> AddResult:
-        """Store facts (`facts=[...]`, or a str) or a conversation (a list of messages, one fact per turn)."""
+            context: str = "", window: int | None = None, encode: str = "sync",
+            timestamp: str | datetime | None = None) -> AddResult:
+        """Store facts (`facts=[...]`, or a str) or a conversation (a list of messages, one fact per turn).
+
+        `timestamp` (facts only; messages carry their own): when the facts held or were said. It
+        is shown in front of each fact as a turn's is ("[9 May 2023] ..."), kept in the metadata,
+        and an ISO one becomes the facts' event_time."""
         scope = Scope(user_id, agent_id, run_id)
         if encode not in ENCODE_MODES:
             raise InvalidInputError(f"encode must be one of {ENCODE_MODES}, got {encode!r}")
-        items = self._items(messages, facts, context, window, metadata)
+        items = self._items(messages, facts, context, window, metadata, timestamp)
         vectors = self.embedder.embed([search_text(i["text"], i["context"]) for i in items])  # [n, dim]
         with self._write_lock:
             pairs = self.facts.add_many([dict(i, scope=scope, embedding=v) for i, v in zip(items, vectors)])
@@ -189,25 +194,27 @@ class KVMem:
         report = self._encode_now(new, encode)
         return AddResult(tuple(r.id for r, _ in pairs), len(new), len(pairs) - len(new), report)
 
-    def _items(self, messages, facts, context, window, metadata) -> list[dict]:
+    def _items(self, messages, facts, context, window, metadata, timestamp) -> list[dict]:
         if (messages is None) == (facts is None):
             raise InvalidInputError("pass either messages (a conversation or one fact string) or facts=[...]")
         if isinstance(messages, str):
             facts, messages = [messages], None
+        stamp = _timestamp(timestamp)
         if facts is not None:
             if not isinstance(facts, list) or not facts:
                 raise InvalidInputError("facts must be a non-empty list of strings")
-            items = [{"text": self._checked_text(t, context), "context": context or "", "source": "fact"} for t in facts]
+            items = [{"text": self._checked_text(dated(check_fact_text(t).strip(), stamp), context),
+                      "context": context or "", "source": "fact", "event_time": _iso_or_none(stamp),
+                      "metadata": _with_timestamp(metadata, stamp)} for t in facts]
+        elif stamp is not None:
+            raise InvalidInputError("timestamp applies to facts; give each message its own timestamp")
         else:
             check_messages(messages)
             turns = turn_facts(messages, self.config.memory.window if window is None else window,
                                self.config.prompt.fact_template)
             items = [{"text": self._checked_text(t.text, t.context), "context": t.context, "source": "messages",
                       "position": t.position, "event_time": _iso_or_none(t.timestamp),
-                      "metadata": {**(metadata or {}), **({"timestamp": t.timestamp} if t.timestamp else {})}}
-                     for t in turns]
-        for i in items:
-            i.setdefault("metadata", metadata)
+                      "metadata": _with_timestamp(metadata, t.timestamp)} for t in turns]
         return items
 
     def _checked_text(self, text, context: str) -> str:
@@ -539,6 +546,23 @@ def kv_first(facts: list[FactRecord]) -> list[FactRecord]:
 
 def _int_at_least(value: object, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _timestamp(value: object) -> str | None:
+    """A caller's timestamp for facts: None, a datetime, or a non-empty string (ISO or free text)."""
+    if value is None or isinstance(value, datetime):
+        return value.isoformat() if value is not None else None
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidInputError(f"timestamp must be a datetime or a non-empty string, got {value!r}")
+    return check_unicode("timestamp", value.strip())
+
+
+def _with_timestamp(metadata: object, timestamp: str | None) -> object:
+    """The caller's metadata with the timestamp added; metadata that is not a dict is passed on
+    unchanged for the fact store to refuse with its own message."""
+    if not timestamp or not (metadata is None or isinstance(metadata, dict)):
+        return metadata
+    return {**(metadata or {}), "timestamp": timestamp}
 
 
 def _iso_or_none(timestamp: str | None) -> str | None:

@@ -73,7 +73,7 @@ def test_add_a_conversation_from_a_file_and_from_stdin(kvmem, tmp_path, monkeypa
                        "--messages", str(path))
     assert rc == 0
     assert [t for _, _, t in added(out)] == [
-        "[2024-05-01T10:00:00] user: My sister adopted a puppy.",
+        "[1 May 2024, 10:00] user: My sister adopted a puppy.",
         "assistant: How exciting!",
         "Alice: She named it Bruno.",
     ]
@@ -87,8 +87,13 @@ def test_add_a_conversation_from_a_file_and_from_stdin(kvmem, tmp_path, monkeypa
 
     pets = search_json(kvmem, "puppy", "-k", "10", "--filters", '{"topic": "pets"}')
     assert len(pets) == 3 and all(h["metadata"]["topic"] == "pets" for h in pets)
-    stamped = [h for h in pets if h["text"].startswith("[2024-05-01T10:00:00]")]
+    stamped = [h for h in pets if h["text"].startswith("[1 May 2024, 10:00]")]
     assert [h["metadata"] for h in stamped] == [{"topic": "pets", "timestamp": "2024-05-01T10:00:00"}]
+
+    rc, out, _ = kvmem("add", "--user", "alice", "--no-encode", "--timestamp", "2024-06-02", "Bruno learnt to sit.")
+    assert rc == 0 and [t for _, _, t in added(out)] == ["[2 June 2024] Bruno learnt to sit."]
+    rc, _, err = kvmem("add", "--user", "alice", "--no-encode", "--timestamp", "2024-06-02", "--messages", str(path))
+    assert rc != 0 and "--timestamp applies to facts" in err
 
 
 def test_search_prints_a_ranked_table_or_json_lines(kvmem):

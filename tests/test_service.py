@@ -198,6 +198,36 @@ def test_messages_with_free_text_timestamps_are_stored(mem):
     assert first.event_time is None and second.event_time.startswith("2023-05-09T18:00")
 
 
+def test_facts_with_a_timestamp_show_their_date(mem):
+    from datetime import datetime
+
+    first = mem.get(mem.add(facts=["Maya sold her Volvo."], user_id="dated", timestamp="2023-05-09",
+                            metadata={"topic": "cars"}, encode="none").ids[0])
+    assert first.text == "[9 May 2023] Maya sold her Volvo."  # what search returns and the reader reads
+    assert first.metadata == {"topic": "cars", "timestamp": "2023-05-09"} and first.event_time.startswith("2023-05-09")
+    assert "9 May 2023" in mem.prompts.tokenizer.decode(mem.prompts.fact_tokens(first.text))
+    second = mem.get(mem.add(facts=["Maya bought a bike."], user_id="dated", encode="none",
+                             timestamp=datetime(2023, 6, 1, 9, 30)).ids[0])
+    assert second.text == "[1 June 2023, 09:30] Maya bought a bike." and second.event_time.startswith("2023-06-01T09:30")
+    free = mem.get(mem.add(facts=["Maya moved."], user_id="dated", timestamp="last summer", encode="none").ids[0])
+    assert free.text == "[last summer] Maya moved." and free.event_time is None
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m.add(facts=["x"], user_id="bad-stamp", timestamp=20230509), "timestamp must be"),
+    (lambda m: m.add(facts=["x"], user_id="bad-stamp", timestamp="  "), "timestamp must be"),
+    (lambda m: m.add([{"role": "user", "content": "hi"}], user_id="bad-stamp", timestamp="2023-05-09"),
+     "timestamp applies to facts"),
+    # Regression: a timestamped message with metadata that is not a dict raised TypeError.
+    (lambda m: m.add([{"role": "user", "content": "hi", "timestamp": "2023-05-09"}], user_id="bad-stamp",
+                     metadata=["topic"]), "metadata must be"),
+])
+def test_bad_timestamps_are_refused_before_anything_is_stored(mem, call, message):
+    with pytest.raises(InvalidInputError, match=message):
+        call(mem)
+    assert mem.get_all(user_id="bad-stamp") == []
+
+
 @pytest.mark.parametrize("call", [
     lambda m: m.add(facts=["x"], user_id="u\udfff"),
     lambda m: m.add(facts=["x"], user_id="bad-input", metadata={"k\ud800": 1}),

@@ -8,6 +8,7 @@ Only the turn's own KV is kept; the window just shapes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from kvmem.errors import InvalidInputError
 from kvmem.facts.text import check_unicode
@@ -26,8 +27,25 @@ class TurnFact:
 
 def turn_text(message: dict) -> str:
     speaker = message.get("name") or message["role"]
-    stamp = f"[{message['timestamp']}] " if message.get("timestamp") else ""
-    return f"{stamp}{speaker}: {message['content'].strip()}"
+    return dated(f"{speaker}: {message['content'].strip()}", message.get("timestamp"))
+
+
+def dated(text: str, timestamp: str | None) -> str:
+    """The text as stored, searched and read: "[9 May 2023] text" when it has a timestamp."""
+    return f"[{shown_time(timestamp)}] {text}" if timestamp else text
+
+
+def shown_time(timestamp: str) -> str:
+    """A timestamp as the reader sees it. ISO 8601 becomes words ("2023-05-09" -> "9 May 2023",
+    "2023-05-09T18:00:00" -> "9 May 2023, 18:00"): answers to "when" questions are dates in
+    words, and a small model copies what it reads. Anything else ("1:56 pm on 8 May, 2023") is
+    shown as given."""
+    try:
+        moment = datetime.fromisoformat(timestamp)
+    except ValueError:
+        return timestamp
+    day = f"{moment.day} {moment:%B %Y}"
+    return f"{day}, {moment:%H:%M}" if len(timestamp) > 10 else day  # a time of day was given
 
 
 def turn_facts(messages: list[dict], window: int, fact_template: str) -> list[TurnFact]:

@@ -86,6 +86,7 @@ class AddMemories(_Scope):
     facts: list[str] | None = Field(None, min_length=1)
     metadata: dict[str, Any] | None = None
     window: int | None = Field(None, ge=0, le=64)
+    timestamp: str | None = None  # facts only: when they held ("2023-05-09" or free text)
     encode: Literal["background", "sync"] = "background"
 
 

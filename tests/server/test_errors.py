@@ -26,6 +26,9 @@ CHAT = {"model": "kvmem", "messages": [{"role": "user", "content": "hi"}], "user
     ("/v1/memories", {"user_id": "u", "facts": ["   "]}, "facts"),
     ("/v1/memories", {"user_id": "u"}, "messages"),
     ("/v1/memories", {"user_id": "u", "facts": ["x"], "colour": "red"}, "colour"),
+    ("/v1/memories", {"user_id": "u", "facts": ["x"], "timestamp": " "}, "timestamp"),
+    ("/v1/memories", {"user_id": "u", "messages": [{"role": "user", "content": "x"}], "timestamp": "2023-05-09"},
+     "timestamp"),
     ("/v1/memories/search", {"user_id": "u", "query": "q", "filters": {"topic": {"regex": "x"}}}, "filters"),
 ])
 def test_400_names_the_field(alpha, path, body, param):

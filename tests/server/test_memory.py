@@ -29,6 +29,9 @@ def test_round_trip(alpha):
     assert all(m["user_id"] == user and m["kv_status"] in ("pending", "encoded") for m in added["results"])
     again = alpha.post("/v1/memories", json={"user_id": user, "facts": ["user: I moved to Porto last month."]})
     assert again.json()["duplicates"] == 1 and again.json()["results"][0]["event"] == "NOOP"
+    dated = alpha.post("/v1/memories", json={"user_id": f"{user}-dated", "facts": ["I moved to Porto."],
+                                             "timestamp": "2023-05-09"}).json()["results"][0]
+    assert dated["memory"] == "[9 May 2023] I moved to Porto." and dated["metadata"]["timestamp"] == "2023-05-09"
 
     listed = alpha.get("/v1/memories", params={"user_id": user}).json()
     assert listed["total"] == 3 and [m["id"] for m in listed["results"]] == [m["id"] for m in added["results"]]
