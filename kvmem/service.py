@@ -550,8 +550,10 @@ def _int_at_least(value: object, low: int) -> bool:
 
 def _timestamp(value: object) -> str | None:
     """A caller's timestamp for facts: None, a datetime, or a non-empty string (ISO or free text)."""
-    if value is None or isinstance(value, datetime):
-        return value.isoformat() if value is not None else None
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.isoformat()
     if not isinstance(value, str) or not value.strip():
         raise InvalidInputError(f"timestamp must be a datetime or a non-empty string, got {value!r}")
     return check_unicode("timestamp", value.strip())
