@@ -126,12 +126,13 @@ class RetrievalConfig:
       cosine in dense mode, BM25 in lexical mode.
     depth: candidates taken from each ranking before fusion.
     dense_weight: the dense share of the fused score (the lexical one's is 1 - dense_weight);
-      0.6 was best on the LoCoMo tuning conversations, and 0.4-0.7 within 0.004 of it.
+      on the LoCoMo tuning conversations 0.5-0.6 were within 0.002 of each other on observations
+      and 0.55 best with turns stored too (docs/benchmarks.md).
     """
 
     mode: str = "hybrid"
     depth: int = 100
-    dense_weight: float = 0.6
+    dense_weight: float = 0.55
 
     def __post_init__(self) -> None:
         if self.mode not in RETRIEVAL_MODES:

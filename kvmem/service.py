@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Iterator
 
 from kvmem.config import RETRIEVAL_MODES, Config, KVConfig
+from kvmem.embed.fact import fact_vectors
 from kvmem.encoding import EncodeReport, Encoder, salt
 from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
 from kvmem.facts.messages import check_messages, dated, turn_facts
@@ -185,7 +186,7 @@ class KVMem:
         if encode not in ENCODE_MODES:
             raise InvalidInputError(f"encode must be one of {ENCODE_MODES}, got {encode!r}")
         items = self._items(messages, facts, context, window, metadata, timestamp)
-        vectors = self.embedder.embed([search_text(i["text"], i["context"]) for i in items])  # [n, dim]
+        vectors = fact_vectors(self.embedder, [i["text"] for i in items], [i["context"] for i in items])  # [n, dim]
         with self._write_lock:
             pairs = self.facts.add_many([dict(i, scope=scope, embedding=v) for i, v in zip(items, vectors)])
             new = [r for r, created in pairs if created]
@@ -255,7 +256,7 @@ class KVMem:
         """New text: re-embedded, re-indexed and re-encoded (the old KV is dropped at once)."""
         old = self.facts.get(fact_id)
         self._checked_text(text, old.context)
-        vector = self.embedder.embed([search_text(text.strip(), old.context)])[0]
+        vector = fact_vectors(self.embedder, [text.strip()], [old.context])[0]
         with self._write_lock:
             record = self.facts.update(fact_id, text.strip(), metadata=metadata, embedding=vector)
             if record.text != old.text:

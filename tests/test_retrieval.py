@@ -94,6 +94,24 @@ def test_a_turn_is_found_by_the_turns_it_is_encoded_after(tmp_path, model_dir):
         assert ids[2] in [h.id for h in mem.search("Bruno", user_id="u", k=5, ranking="lexical")]
 
 
+MORTGAGE = [{"role": "user", "content": "The mortgage broker wants our last three tax returns and the payslips by Friday."},
+            {"role": "assistant", "content": "Do you have the paperwork from the bank about the interest rate and the escrow account?"},
+            {"role": "user", "content": "Also my daughter started violin lessons today."}]
+
+
+def test_a_turn_is_still_found_by_its_own_words_after_an_unrelated_window(mem):
+    """Embedded with its window alone, the violin turn lost to a fact about a piano (cosine 0.29
+    against 0.40): two turns about mortgages drowned it. Its vector now keeps its own text's pull;
+    its update keeps it too."""
+    ids = mem.add(MORTGAGE, user_id="u", window=2, encode="none").ids
+    mem.add(facts=["My neighbour plays the piano every evening.", "The bank approved the loan this morning."],
+            user_id="u", encode="none")
+    query = "What instrument is my daughter learning?"
+    assert mem.search(query, user_id="u", k=1, ranking="dense")[0].id == ids[2]
+    mem.update(ids[2], "Also my daughter started cello lessons today.")
+    assert mem.search(query, user_id="u", k=1, ranking="dense")[0].id == ids[2]
+
+
 @pytest.mark.parametrize("ranking", ["hybrid", "dense", "lexical"])
 @pytest.mark.parametrize("k", [0, None, 2.5, True, "3"])
 def test_a_bad_k_is_refused_by_every_ranking(mem, ranking, k):
