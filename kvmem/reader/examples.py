@@ -7,6 +7,8 @@ from pathlib import Path
 
 from kvmem.reader.lab import Example
 
+ASKED = ("questions", "turns")
+
 
 def from_records(prompts, records, messages: list[dict]) -> Example:
     """The Example a chat over these fact records (in prompt order) would be served as."""
@@ -18,9 +20,16 @@ def from_records(prompts, records, messages: list[dict]) -> Example:
 
 
 def locomo_examples(mem, data: Path, conversations: tuple[str, ...], *, k: int = 10, memory: str = "observations",
-                    limit: int | None = None, seed: int = 0) -> list[tuple[str, Example]]:
-    """(question key, Example) for each sampled question of these conversations, retrieved as
-    `kvmem eval locomo` retrieves (same memory, same ranking). `mem` needs no engine."""
+                    limit: int | None = None, seed: int = 0, asked: str = "questions") -> list[tuple[str, Example]]:
+    """(key, Example) for each sampled message of these conversations, its facts retrieved as
+    `kvmem eval locomo` retrieves (same memory, same ranking). `mem` needs no engine.
+
+    asked="questions": LoCoMo's QA questions. asked="turns": the conversation's own turns that
+    end in a question mark ("How did the race go?"), each as a user's message: more chats to
+    distil from, in the conversation's voice, with no answer key needed (the teacher's reply is
+    the target)."""
+    if asked not in ASKED:
+        raise ValueError(f"asked must be one of {ASKED}, got {asked!r}")
     from kvmem.bench import locomo
     from kvmem.bench.eval_locomo import EvalConfig, build_memory, retrieve
 
@@ -30,10 +39,26 @@ def locomo_examples(mem, data: Path, conversations: tuple[str, ...], *, k: int =
         if conv["sample_id"] not in conversations:
             continue
         user = build_memory(mem, conv, cfg, encode=False)
-        for i, q in locomo.sample_questions(conv, limit, seed):
+        picked = locomo.sample_questions(conv, limit, seed) if asked == "questions" else turn_questions(conv, limit, seed)
+        for i, q in picked:
             records = retrieve(mem, user, q, cfg)
-            out.append((f"{conv['sample_id']}#{i}", from_records(mem.prompts, records, [{"role": "user", "content": q["question"]}])))
+            out.append((f"{conv['sample_id']}#{'' if asked == 'questions' else 't'}{i}",
+                        from_records(mem.prompts, records, [{"role": "user", "content": q["question"]}])))
     missing = set(conversations) - {key.split("#")[0] for key, _ in out}
     if missing:
         raise ValueError(f"conversations {sorted(missing)} are not in {data} (or have no questions)")
     return out
+
+
+def turn_questions(conversation: dict, limit: int | None, seed: int = 0) -> list[tuple[int, dict]]:
+    """(turn number, {"question": text}) for the turns ending in "?", all or `limit` drawn at random."""
+    import random
+
+    from kvmem.bench import locomo
+
+    turns = [t for _, ts, _ in locomo.sessions(conversation) for t in ts]
+    asked = [(i, {"question": t["text"].strip()}) for i, t in enumerate(turns) if t.get("text", "").strip().endswith("?")]
+    if not limit or limit >= len(asked):
+        return asked
+    rng = random.Random(f"{seed}:{conversation['sample_id']}:turns")
+    return sorted(rng.sample(asked, limit), key=lambda pair: pair[0])
