@@ -36,12 +36,13 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-conversations", type=_ids, default=REPORT_CONVERSATIONS,
                    help=f"held-out conversations to measure on; '' for none (default: {','.join(REPORT_CONVERSATIONS)})")
     p.add_argument("--limit", type=int, default=0, help="training questions per conversation; 0 for all (default)")
-    p.add_argument("--turn-questions", type=_count, default=None, metavar="N",
+    p.add_argument("--turn-questions", type=_count, default=0, metavar="N",
                    help="also train on the conversations' own turns that end in '?', each as a user's message: "
-                        "N per conversation, 0 for none (default: all)")
+                        "N per conversation drawn at random (more than a conversation has: all of them), 0 for none "
+                        "(default: 0; all of them, 1 epoch, measured no better: docs/benchmarks.md)")
     p.add_argument("--eval-limit", type=int, default=20, help="held-out questions per conversation (default: 20)")
     p.add_argument("-k", type=int, default=10, help="facts per chat (default: 10)")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--reply-tokens", type=int, default=16, help="teacher reply length distilled (default: 16)")
@@ -65,7 +66,7 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     with KVMem(config, start_engine=False, background=False) as mem:
         train = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, limit=args.limit or None,
                                                  seed=args.seed)]
-        if args.turn_questions != 0:
+        if args.turn_questions:
             train += [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, seed=args.seed,
                                                       limit=args.turn_questions, asked="turns")]
         held = [ex for _, ex in locomo_examples(mem, args.data, args.eval_conversations, k=args.k,
@@ -80,7 +81,7 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
           f"KL over the first tenth {report.first_loss:.4f}, last tenth {report.last_loss:.4f}")
     result = {"command": "kvmem " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
               "train_conversations": list(args.conversations), "train_examples": len(train),
-              "train_turn_questions": "all" if args.turn_questions is None else args.turn_questions,
+              "train_turn_questions_per_conversation": args.turn_questions,
               "tune": {**cfg.__dict__}, "steps": report.steps, "seconds": round(report.seconds, 1),
               "loss_first_tenth": report.first_loss, "loss_last_tenth": report.last_loss}
     if held:

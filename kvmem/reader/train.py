@@ -36,7 +36,7 @@ class TuneConfig:
     rank: int = 8
     alpha: float = 16.0
     lr: float = 1e-3
-    epochs: int = 1
+    epochs: int = 2
     reply_tokens: int = 16
     seed: int = 0
     checkpoint_every: int = 50  # steps
