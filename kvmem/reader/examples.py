@@ -3,6 +3,7 @@ tokenized piece by piece exactly as a KV-mode chat would be."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from kvmem.reader.lab import Example
@@ -52,8 +53,6 @@ def locomo_examples(mem, data: Path, conversations: tuple[str, ...], *, k: int =
 
 def turn_questions(conversation: dict, limit: int | None, seed: int = 0) -> list[tuple[int, dict]]:
     """(turn number, {"question": text}) for the turns ending in "?", all or `limit` drawn at random."""
-    import random
-
     from kvmem.bench import locomo
 
     turns = [t for _, ts, _ in locomo.sessions(conversation) for t in ts]
