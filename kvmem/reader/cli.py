@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from kvmem.bench import locomo
+from kvmem.cli import _non_negative_int
 from kvmem.reader.train import TUNE_CONVERSATIONS
 
 REPORT_CONVERSATIONS = ("conv-42", "conv-43", "conv-44", "conv-47")
@@ -18,13 +19,6 @@ REPORT_CONVERSATIONS = ("conv-42", "conv-43", "conv-44", "conv-47")
 
 def _ids(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_parser(sub) -> None:
@@ -36,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-conversations", type=_ids, default=REPORT_CONVERSATIONS,
                    help=f"held-out conversations to measure on; '' for none (default: {','.join(REPORT_CONVERSATIONS)})")
     p.add_argument("--limit", type=int, default=0, help="training questions per conversation; 0 for all (default)")
-    p.add_argument("--turn-questions", type=_count, default=0, metavar="N",
+    p.add_argument("--turn-questions", type=_non_negative_int, default=0, metavar="N",
                    help="also train on the conversations' own turns that end in '?', each as a user's message: "
                         "N per conversation drawn at random (more than a conversation has: all of them), 0 for none "
                         "(default: 0; all of them, 1 epoch, measured no better: docs/benchmarks.md)")
