@@ -90,11 +90,22 @@ def sample_questions(conversation: dict, limit: int | None, seed: int = 0) -> li
     LoCoMo lists a conversation's questions roughly by category (single-hop, category 4, last),
     so its first N questions would leave out the most common category.
     """
-    qs = list(enumerate(questions(conversation)))
-    if not limit or limit >= len(qs):
-        return qs
-    rng = random.Random(f"{seed}:{conversation['sample_id']}")
-    return sorted(rng.sample(qs, limit), key=lambda pair: pair[0])
+    return _draw(list(enumerate(questions(conversation))), limit, f"{seed}:{conversation['sample_id']}")
+
+
+def turn_questions(conversation: dict, limit: int | None, seed: int = 0) -> list[tuple[int, dict]]:
+    """(turn number across sessions, {"question": text}) for the turns ending in "?", all or
+    `limit` of them drawn at random, in conversation order."""
+    turns = [t for _, ts, _ in sessions(conversation) for t in ts]
+    asked = [(i, {"question": t["text"].strip()}) for i, t in enumerate(turns) if t.get("text", "").strip().endswith("?")]
+    return _draw(asked, limit, f"{seed}:{conversation['sample_id']}:turns")
+
+
+def _draw(numbered: list[tuple[int, dict]], limit: int | None, key: str) -> list[tuple[int, dict]]:
+    """All of `numbered`, or `limit` of them drawn with a generator seeded by `key`, in order."""
+    if not limit or limit >= len(numbered):
+        return numbered
+    return sorted(random.Random(key).sample(numbered, limit), key=lambda pair: pair[0])
 
 
 def _session(key: str) -> int:

@@ -3,7 +3,6 @@ tokenized piece by piece exactly as a KV-mode chat would be."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 from kvmem.reader.lab import Example
@@ -40,8 +39,8 @@ def locomo_examples(mem, data: Path, conversations: tuple[str, ...], *, k: int =
         if conv["sample_id"] not in conversations:
             continue
         user = build_memory(mem, conv, cfg, encode=False)
-        picked = locomo.sample_questions(conv, limit, seed) if asked == "questions" else turn_questions(conv, limit, seed)
-        for i, q in picked:
+        draw = locomo.sample_questions if asked == "questions" else locomo.turn_questions
+        for i, q in draw(conv, limit, seed):
             records = retrieve(mem, user, q, cfg)
             out.append((f"{conv['sample_id']}#{'' if asked == 'questions' else 't'}{i}",
                         from_records(mem.prompts, records, [{"role": "user", "content": q["question"]}])))
@@ -50,14 +49,3 @@ def locomo_examples(mem, data: Path, conversations: tuple[str, ...], *, k: int =
         raise ValueError(f"conversations {sorted(missing)} are not in {data} (or have no questions)")
     return out
 
-
-def turn_questions(conversation: dict, limit: int | None, seed: int = 0) -> list[tuple[int, dict]]:
-    """(turn number, {"question": text}) for the turns ending in "?", all or `limit` drawn at random."""
-    from kvmem.bench import locomo
-
-    turns = [t for _, ts, _ in locomo.sessions(conversation) for t in ts]
-    asked = [(i, {"question": t["text"].strip()}) for i, t in enumerate(turns) if t.get("text", "").strip().endswith("?")]
-    if not limit or limit >= len(asked):
-        return asked
-    rng = random.Random(f"{seed}:{conversation['sample_id']}:turns")
-    return sorted(rng.sample(asked, limit), key=lambda pair: pair[0])
