@@ -94,10 +94,11 @@ def add_parsers(sub) -> None:
     lc.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
                     help="comma-separated sample ids (default: all)")
     lc.add_argument("-k", "--k", type=int, default=10)
-    lc.add_argument("--memory", choices=("observations", "turns"), default="observations")
+    lc.add_argument("--memory", choices=("observations", "turns", "both"), default="observations",
+                    help="facts stored: LoCoMo's observations, the conversation's turns, or both (default: observations)")
     lc.add_argument("--window", type=int, default=None,
                     help="CWE window: turns a fact is encoded after (turns: the turns before it, default 2; "
-                         "observations: the turns ending at its evidence, default 0)")
+                         "observations: the turns ending at its evidence, default 0; both: the turns', observations get none)")
     lc.add_argument("--limit", type=int, default=40,
                     help="questions per conversation, drawn at random (--seed); 0 for all (default: 40)")
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")

@@ -27,7 +27,8 @@ MODES = ("text", "kv", "off")
 # Observations are written to stand alone; encoding them after their evidence turns brought the
 # first token closer to text mode but lost log-likelihood and temporal F1, so by default they
 # get no context.
-DEFAULT_WINDOW = {"observations": 0, "turns": 2}
+# With both stored, `window` is the turns' window and observations keep none.
+DEFAULT_WINDOW = {"observations": 0, "turns": 2, "both": 2}
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class EvalConfig:
     data: Path
     conversations: tuple[str, ...] = ()  # sample ids; empty = all
     k: int = 10
-    memory: str = "observations"  # or "turns"
+    memory: str = "observations"  # or "turns", or "both" (each observation and each turn a fact)
     window: int | None = None  # None: DEFAULT_WINDOW[memory]
     limit: int | None = None  # questions per conversation, drawn at random (seeded)
     seed: int = 0
@@ -74,12 +75,13 @@ def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True) -> st
 
 
 def _store(mem, conv: dict, cfg: EvalConfig, user: str) -> None:
-    if cfg.memory == "observations":
+    if cfg.memory in ("observations", "both"):
+        window = cfg.window_size if cfg.memory == "observations" else DEFAULT_WINDOW["observations"]
         for o in locomo.observations(conv):
-            context = _observation_context(mem, conv, o, cfg.window_size)
+            context = _observation_context(mem, conv, o, window)
             mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)},
                     context=context, encode="none")
-    else:
+    if cfg.memory in ("turns", "both"):
         for n, turns, date in locomo.sessions(conv):
             messages = [locomo.message(conv, t, date) for t in turns]
             mem.add(messages, user_id=user, metadata={"session": n}, window=cfg.window_size,

@@ -107,3 +107,17 @@ def test_codecs_bench_compares_every_codec_against_the_lossless_blobs(mem, tmp_p
     assert len({r["k10_mean_kl_vs_lossless"] for r in rows.values()}) == len(rows)
     assert "int4" in codecs.report(result, tmp_path / "codecs") and (tmp_path / "codecs.json").exists()
     assert all(mem.get_all(user_id=u) == [] for u in [codecs.USER] + [f"{codecs.USER}-{c}" for c in rows])
+
+
+def test_locomo_eval_with_both_memories_stores_observations_bare_and_turns_after_their_window(mem, locomo_path):
+    conv = locomo.load(locomo_path)[0]
+    cfg = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=2, memory="both")
+    user = eval_locomo.build_memory(mem, conv, cfg, encode=False)
+    records = mem.get_all(user_id=user, limit=10_000)
+    observations = [r for r in records if "dia_ids" in r.metadata]
+    turns = [r for r in records if "session" in r.metadata]
+    assert len(observations) == len(locomo.observations(conv)) and len(observations) + len(turns) == len(records)
+    assert len(turns) == sum(len(t) for _, t, _ in locomo.sessions(conv))
+    assert all(not r.context for r in observations)  # observations stand alone, as in "observations"
+    assert all(r.context for r in turns if r.position)  # every turn but a session's first has turns before it
+    assert user.endswith("-both-w2") and cfg.name.startswith("locomo-both-w2-k3")
