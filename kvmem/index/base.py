@@ -33,7 +33,44 @@ def best_first(values: np.ndarray, id_of: Callable[[int], str]) -> np.ndarray:
     return order
 
 
-def top_k(scores: np.ndarray, ids: Sequence[str], k: int) -> list[Hit]:
+@dataclass(frozen=True)
+class Ranking:
+    """A search's results as two columns, best first: what fusion reads, without a `Hit` per
+    row (building 100 frozen Hits cost ~0.1 ms, a tenth of a hybrid search at 10k facts)."""
+
+    ids: list[str]
+    scores: np.ndarray  # [m] float, highest first
+
+    def hits(self) -> list[Hit]:
+        return [Hit(i, s) for i, s in zip(self.ids, self.scores.tolist())]
+
+
+EMPTY = Ranking([], np.zeros(0, dtype=np.float32))
+
+
+class RowIds:
+    """ids of `rows` by position, looked up only for the few rows a ranking returns."""
+
+    def __init__(self, ids: Sequence[str | None], rows: np.ndarray) -> None:
+        self.ids, self.rows = ids, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> str:
+        return self.ids[self.rows[i]]
+
+    def take(self, positions: np.ndarray) -> list[str]:
+        return [self.ids[r] for r in self.rows[positions].tolist()]
+
+
+def _take(ids: Sequence[str] | RowIds, positions: np.ndarray) -> list[str]:
+    if isinstance(ids, RowIds):
+        return ids.take(positions)
+    return [ids[i] for i in positions.tolist()]
+
+
+def rank(scores: np.ndarray, ids: Sequence[str] | RowIds, k: int) -> Ranking:
     """The k best of `scores` [m] (ids[i] owns scores[i]), best first, equal scores by id."""
     if k < len(scores):
         part = np.argpartition(-scores, k - 1)[:k]  # [k], unordered
@@ -44,7 +81,12 @@ def top_k(scores: np.ndarray, ids: Sequence[str], k: int) -> list[Hit]:
         candidates = np.arange(len(scores))
     values = scores[candidates]  # [c]
     order = best_first(values, lambda j: ids[int(candidates[j])])[:k]
-    return [Hit(ids[i], score) for i, score in zip(candidates[order].tolist(), values[order].tolist())]
+    return Ranking(_take(ids, candidates[order]), values[order])
+
+
+def top_k(scores: np.ndarray, ids: Sequence[str] | RowIds, k: int) -> list[Hit]:
+    """`rank` as Hits."""
+    return rank(scores, ids, k).hits()
 
 
 class VectorIndex(ABC):
@@ -79,6 +121,12 @@ class VectorIndex(ABC):
         filters: Mapping[str, Any] | Filters | None = None,
     ) -> list[Hit]:
         """Top-k ids of the scope by cosine with `query` [dim], best first, ties by id."""
+
+    def ranked(self, scope_key: str, query: np.ndarray, k: int,
+               filters: Mapping[str, Any] | Filters | None = None) -> Ranking:
+        """`search` as a `Ranking`; an index with a cheaper way to build one overrides this."""
+        hits = self.search(scope_key, query, k, filters)
+        return Ranking([h.id for h in hits], np.asarray([h.score for h in hits], dtype=np.float32))
 
     @abstractmethod
     def count(self, scope_key: str) -> int:

@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 
 from kvmem.errors import InvalidInputError
-from kvmem.index.base import Hit, VectorIndex, top_k
+from kvmem.index.base import EMPTY, Hit, Ranking, RowIds, VectorIndex, rank
 from kvmem.index.block import ScopeBlock
 from kvmem.index.checks import check_ids, check_metadatas, check_scope, unit_query, unit_rows
 from kvmem.index.filters import Filters, matcher, validate_filters
-from kvmem.index.remembered import RowIds
 from kvmem.index.rwlock import RWLock
 from kvmem.index.scan import scan_top_k
 
@@ -78,6 +77,10 @@ class ExactIndex(VectorIndex):
         k: int,
         filters: Mapping[str, Any] | Filters | None = None,
     ) -> list[Hit]:
+        return self.ranked(scope_key, query, k, filters).hits()
+
+    def ranked(self, scope_key: str, query: np.ndarray, k: int,
+               filters: Mapping[str, Any] | Filters | None = None) -> Ranking:
         if isinstance(k, bool) or not isinstance(k, Integral) or k < 1:
             raise InvalidInputError(f"k must be an int >= 1, got {k!r}")
         check_scope(scope_key)
@@ -86,7 +89,7 @@ class ExactIndex(VectorIndex):
         with self._lock.read():
             block = self._scopes.get(scope_key)
             if block is None:
-                return []
+                return EMPTY
             if not conditions and len(block) >= self.scan_from:
                 return scan_top_k(block.live(), *block.live_codes(), block.ids, q, int(k))
             return _search_block(block, q, int(k), conditions)
@@ -113,14 +116,14 @@ class ExactIndex(VectorIndex):
             return sum(len(b) for b in self._scopes.values())
 
 
-def _search_block(block: ScopeBlock, q: np.ndarray, k: int, conditions: Filters) -> list[Hit]:
+def _search_block(block: ScopeBlock, q: np.ndarray, k: int, conditions: Filters) -> Ranking:
     """Filter first, then exact top-k over the rows that passed. Caller holds the read lock."""
     if not conditions:
-        return top_k(block.live() @ q, block.ids, k)  # [size, dim] @ [dim] -> [size]
+        return rank(block.live() @ q, block.ids, k)  # [size, dim] @ [dim] -> [size]
     match = matcher(conditions)
     rows = block.filters.passing(conditions, lambda: np.asarray(
         [i for i, meta in enumerate(block.metas) if match(meta)], np.int64))  # [m]
     if not len(rows):
-        return []
+        return EMPTY
     scores = block.vectors[rows] @ q  # [m, dim] @ [dim] -> [m]
-    return top_k(scores, RowIds(block.ids, rows), k)
+    return rank(scores, RowIds(block.ids, rows), k)

@@ -21,7 +21,8 @@ def hybrid_search(vectors, lexical, scope_key: str, vector: np.ndarray, query: s
     each ranking; `vectors` (a VectorIndex) gives every candidate's cosine (the dense top's
     from its search, the others' by `similarities`), `lexical` (LexicalIndex) its BM25."""
     depth = max(k, depth)
-    dense = {h.id: h.score for h in vectors.search(scope_key, vector, depth, conditions)}
+    top = vectors.ranked(scope_key, vector, depth, conditions)
+    dense = dict(zip(top.ids, top.scores.tolist()))
     bm25 = lexical.scores(scope_key, query, conditions, top=depth, also=dense)
     others = [i for i, s in bm25.items() if s > 0 and i not in dense]
     if others:
@@ -46,13 +47,18 @@ def linear(dense: Mapping[str, float], lexical: Mapping[str, float], k: int, den
     fused = (dense_weight * ((cos - low) / (high - low) if high > low else np.ones_like(cos))
              + (1 - dense_weight) * (bm25 / top_lexical if top_lexical > 0 else 0.0))  # [m]
     ranked = best_first(fused, ids.__getitem__).tolist()  # best first, ties by id
-    pinned = {_best(cos, ids)}
+    pinned = [_best(cos, ids)]
     if (bm25 > 0).any():
-        pinned.add(_best(bm25, ids))
-    place = {i: p for p, i in enumerate(ranked)}
-    pinned = set(sorted(pinned, key=place.__getitem__)[:k])
-    chosen = pinned | set([i for i in ranked[: k + len(pinned)] if i not in pinned][: k - len(pinned)])
-    return [Hit(ids[i], float(fused[i])) for i in sorted(chosen, key=place.__getitem__)]
+        pinned.append(_best(bm25, ids))
+    pinned = sorted(set(pinned), key=ranked.index)[:k]  # ranked.index: 2 lookups, no map of all m
+    others = [i for i in ranked[: k + len(pinned)] if i not in pinned][: k - len(pinned)]
+    chosen, hits = set(pinned) | set(others), []
+    for i in ranked:  # a pinned candidate may sit far down the fused ranking
+        if i in chosen:
+            hits.append(Hit(ids[i], float(fused[i])))
+            if len(hits) == len(chosen):
+                break
+    return hits
 
 
 def _best(values: np.ndarray, ids: list[str]) -> int:

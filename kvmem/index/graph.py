@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from kvmem.errors import IndexFileError, InvalidInputError
-from kvmem.index.base import Hit, VectorIndex, top_k
+from kvmem.index.base import Hit, RowIds, VectorIndex, top_k
 from kvmem.index.checks import check_ids, check_metadatas, check_scope, unit_query, unit_rows
 from kvmem.index.filters import Filters, matcher, validate_filters
 from kvmem.index.persist import atomic_write
-from kvmem.index.remembered import RememberedFilters, RowIds
+from kvmem.index.remembered import RememberedFilters
 from kvmem.index.rwlock import RWLock
 from kvmem.index.vamana import GraphParams, VamanaGraph
 from kvmem.index.vamana_kernels import score_slots

@@ -22,6 +22,7 @@ import numpy as np
 from kvmem.index.base import Hit
 from kvmem.index.checks import check_ids, check_metadatas, check_scope
 from kvmem.index.filters import Filters, matcher, validate_filters
+from kvmem.index.heap import k_best
 
 K1, B = 1.5, 0.75  # Lucene's BM25 constants; LoCoMo recall is flat across k1 0.9-2 and b 0.3-1
 _IMPACT_TERMS = 4096  # query terms whose BM25 shares a scope remembers between writes
@@ -150,16 +151,17 @@ class _Scope:
         return cached
 
 
-def _top_rows(vec: np.ndarray, rows: np.ndarray, top: int, ids: list[str | None]) -> np.ndarray:
-    """The `top` of `rows` by vec [rows], ties at the cut broken by smaller id.
+def _top_rows(vec: np.ndarray, top: int, ids: list[str | None]) -> np.ndarray:
+    """The `top` rows by vec [rows] (more than `top` of them positive), ties at the cut broken
+    by smaller id.
 
     Keeping every tie instead let a query of common words carry every fact tied at the cut into
     the fusion, however many: short facts over a small vocabulary tie by the hundreds."""
-    cut = np.partition(vec[rows], len(rows) - top)[len(rows) - top]
-    above, tied = rows[vec[rows] > cut], rows[vec[rows] == cut]
+    cut = vec[k_best(vec, top)].min()
+    above, tied = np.flatnonzero(vec > cut), np.flatnonzero(vec == cut)
     need = top - len(above)
     if len(tied) > need:
-        tied = np.asarray(heapq.nsmallest(need, tied.tolist(), key=ids.__getitem__), dtype=rows.dtype)
+        tied = np.asarray(heapq.nsmallest(need, tied.tolist(), key=ids.__getitem__), dtype=np.int64)
     return np.concatenate([above, tied])
 
 
@@ -220,8 +222,9 @@ class LexicalIndex:
                 vec[rows[~keep]] = 0.0
                 rows = rows[keep]
             if top is not None and top < len(rows):
-                rows = _top_rows(vec, rows, top, scope.ids)
-            out = {scope.ids[r]: float(vec[r]) for r in rows}
+                rows = _top_rows(vec, top, scope.ids)
+            listed = rows.tolist()
+            out = dict(zip([scope.ids[r] for r in listed], vec[rows].tolist()))
             for fact_id in also:
                 row = scope.rows.get(fact_id)
                 if row is not None and fact_id not in out:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -48,15 +48,3 @@ class RememberedFilters:
                 self._answers.popitem(last=False)
         return rows
 
-
-class RowIds:
-    """ids of `rows` by position, looked up only for the few rows `top_k` returns."""
-
-    def __init__(self, ids: Sequence[str | None], rows: np.ndarray) -> None:
-        self.ids, self.rows = ids, rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> str:
-        return self.ids[self.rows[i]]

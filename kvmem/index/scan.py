@@ -17,34 +17,37 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit
 
-from kvmem.index.base import Hit, top_k
-from kvmem.index.remembered import RowIds
+from kvmem.index.base import Ranking, RowIds, rank
+from kvmem.index.heap import offer
 
 _ROUNDING = 1e-4  # float32 accumulation error over 384 terms, with a wide margin
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def int8_scores(codes: np.ndarray, scales: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Approximate cosines [n] of q [dim] with rows codes [n, dim] int8 * scales [n]."""
-    out = np.empty(codes.shape[0], np.float32)
-    for i in range(codes.shape[0]):
+def int8_scores(codes: np.ndarray, scales: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Approximate cosines [n] of q [dim] with rows codes [n, dim] int8 * scales [n], and the
+    rows of the k best of them [min(k, n)], unordered, selected while scoring (kvmem.index.heap)."""
+    n = codes.shape[0]
+    out = np.empty(n, np.float32)
+    heap = np.empty(min(k, n), np.float32)
+    rows = np.empty(min(k, n), np.int64)
+    filled = 0
+    for i in range(n):
         acc = np.float32(0.0)
         for j in range(codes.shape[1]):
             acc += np.float32(codes[i, j]) * q[j]
         out[i] = acc * scales[i]
-    return out
+        filled = offer(heap, rows, filled, out[i], i)
+    return out, rows
 
 
 def scan_top_k(vectors: np.ndarray, codes: np.ndarray, scales: np.ndarray, ids: Sequence[str],
-               q: np.ndarray, k: int) -> list[Hit]:
+               q: np.ndarray, k: int) -> Ranking:
     """The exact top-k of rows vectors [n, dim] float32 for q [dim], equal scores by id, reading
     the int8 codes [n, dim] with scales [n] for every row and float32 only for contenders."""
-    n = len(codes)
-    approx = int8_scores(codes, scales, q)  # [n]
-    first = np.argpartition(-approx, min(k, n) - 1)[: min(k, n)]  # [k]: the k best by approximation
+    approx, first = int8_scores(codes, scales, q, k)  # [n], [min(k, n)]: the k best by approximation
     # k rows score at least this exactly, so the k-th best row of all does too.
     floor = float((vectors[first] @ q).min())  # [k, dim] @ [dim]
     reach = approx + scales * np.float32(0.5 * np.abs(q).sum()) + np.float32(_ROUNDING)  # [n]
     contenders = np.flatnonzero(reach >= floor)  # [c]: every row that could be in the top k
-    return top_k(vectors[contenders] @ q, RowIds(ids, contenders), k)  # [c, dim] @ [dim]
-
+    return rank(vectors[contenders] @ q, RowIds(ids, contenders), k)  # [c, dim] @ [dim]

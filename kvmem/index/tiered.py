@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvmem.errors import InvalidInputError
-from kvmem.index.base import Hit, VectorIndex
+from kvmem.index.base import Hit, Ranking, VectorIndex
 from kvmem.index.exact import ExactIndex
 from kvmem.index.filters import Filters
 from kvmem.index.graph import GraphIndex, GraphIndexConfig
@@ -91,6 +91,11 @@ class TieredIndex(VectorIndex):
                filters: Mapping[str, Any] | Filters | None = None) -> list[Hit]:
         with self._lock.read():
             return self.tier(scope_key).search(scope_key, query, k, filters)
+
+    def ranked(self, scope_key: str, query: np.ndarray, k: int,
+               filters: Mapping[str, Any] | Filters | None = None) -> Ranking:
+        with self._lock.read():
+            return self.tier(scope_key).ranked(scope_key, query, k, filters)
 
     def similarities(self, scope_key: str, query: np.ndarray, ids: Sequence[str]) -> dict[str, float]:
         with self._lock.read():

@@ -57,10 +57,24 @@ def test_the_bound_is_needed_where_int8_reorders():
     q /= np.linalg.norm(q)
     peak = np.abs(rows).max(axis=1)
     codes = np.rint(rows / (peak / 127)[:, None]).astype(np.int8)
-    approx = int8_scores(codes, (peak / 127).astype(np.float32), q)
+    approx, _ = int8_scores(codes, (peak / 127).astype(np.float32), q, 10)
     assert set(np.argsort(-approx)[:10]) != set(np.argsort(-(rows @ q))[:10])
     scan, plain = ExactIndex(dim, scan_from=1), ExactIndex(dim, scan_from=10**9)
     ids = [f"r{i:04d}" for i in range(n)]
     for index in (scan, plain):
         index.add("u", ids, rows)
     assert_same(scan, plain, q, 10)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 10), (300, 1), (300, 7), (3000, 100), (3000, 3000)])
+def test_the_scans_heap_keeps_the_k_best_approximate_scores(n, k):
+    """The rows the scoring loop's heap keeps are the k best by the approximate scores it
+    returns (the floor of the exact search is taken over them)."""
+    rng = np.random.default_rng(n + k)
+    rows = rng.normal(size=(n, 32)).astype(np.float32)
+    rows[n // 2:] = rows[: n - n // 2]  # duplicates: equal scores across the cut
+    peak = np.abs(rows).max(axis=1)
+    codes = np.rint(rows / (peak / 127)[:, None]).astype(np.int8)
+    approx, best = int8_scores(codes, (peak / 127).astype(np.float32), rng.normal(size=32).astype(np.float32), k)
+    assert len(best) == len(set(best.tolist())) == min(k, n)
+    assert np.sort(approx[best])[::-1] == pytest.approx(np.sort(approx)[::-1][: min(k, n)], abs=0)

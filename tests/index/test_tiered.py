@@ -51,3 +51,25 @@ def test_hybrid_search_works_on_a_promoted_scope():
     lex.add("u", ids, ["penicillin allergy" if i == 7 else f"note number {i}" for i in range(350)])
     hits = hybrid_search(t, lex, "u", x[3], "penicillin", 5)
     assert {"f3", "f7"} <= {h.id for h in hits}  # best dense and best lexical both kept
+
+
+def test_ranked_is_search_as_columns_in_every_tier_and_path():
+    """`ranked` (what fusion reads) against `search`: the same ids and scores, in order, for the
+    exact tier's plain and int8-first scans, a filtered search, and the graph tier."""
+    t = TieredIndex(DIM, CONFIG)
+    scanned = ExactIndex(DIM, scan_from=1)
+    x = data(350, seed=2)
+    ids = [f"f{i}" for i in range(350)]
+    metas = [{"g": i % 3} for i in range(350)]
+    t.add("small", ids[:100], x[:100], metas[:100])
+    t.add("big", ids, x, metas)
+    scanned.add("small", ids[:100], x[:100], metas[:100])
+    assert t.tier("small") is t.exact and t.tier("big") is t.graph
+    q = data(1, seed=9)[0]
+    for index, scope, filters in [(t, "small", None), (t, "small", {"g": 2}), (scanned, "small", None),
+                                  (t, "big", None), (t, "big", {"g": 1}), (t, "absent", None)]:
+        for k in (1, 7, 500):
+            ranking, hits = index.ranked(scope, q, k, filters), index.search(scope, q, k, filters)
+            assert ranking.ids == [h.id for h in hits] and ranking.hits() == hits
+            size = {"small": 100, "big": 350, "absent": 0}[scope]
+            assert len(hits) == min(k, size) or (filters and 0 < len(hits) <= size // 3 + 1)
