@@ -102,9 +102,11 @@ class ExactIndex(VectorIndex):
             block = self._scopes.get(scope_key)
             if block is None:
                 return {}
-            found = [i for i in ids if i in block.rows]
-            rows = [block.rows[i] for i in found]
-            return dict(zip(found, (block.vectors[rows] @ q).tolist()))  # [m, dim] @ [dim] -> [m]
+            rows = [block.rows.get(i, -1) for i in ids]
+            if -1 in rows:  # ids not in the scope are left out
+                ids = [i for i, r in zip(ids, rows) if r >= 0]
+                rows = [r for r in rows if r >= 0]
+            return dict(zip(ids, (block.vectors[rows] @ q).tolist()))  # [m, dim] @ [dim] -> [m]
 
     def count(self, scope_key: str) -> int:
         with self._lock.read():

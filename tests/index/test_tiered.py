@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvmem.index import ExactIndex
 from kvmem.index.fusion import hybrid_search
@@ -73,3 +74,18 @@ def test_ranked_is_search_as_columns_in_every_tier_and_path():
             assert ranking.ids == [h.id for h in hits] and ranking.hits() == hits
             size = {"small": 100, "big": 350, "absent": 0}[scope]
             assert len(hits) == min(k, size) or (filters and 0 < len(hits) <= size // 3 + 1)
+
+
+def test_similarities_are_the_cosines_of_the_ids_in_the_scope_in_both_tiers():
+    t = TieredIndex(DIM, CONFIG)
+    x = data(350, seed=3)
+    ids = [f"f{i}" for i in range(350)]
+    t.add("small", ids[:50], x[:50])
+    t.add("big", ids, x)
+    q = data(1, seed=4)[0]
+    for scope, size in (("small", 50), ("big", 350)):
+        asked = ["f3", "nope", "f40", "f300"]
+        got = t.similarities(scope, q, asked)
+        want = {i: float(x[int(i[1:])] @ q) for i in asked if i != "nope" and int(i[1:]) < size}
+        assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=2e-3)
+    assert t.similarities("small", q, ["nope"]) == {} and t.similarities("absent", q, ["f1"]) == {}
