@@ -1,5 +1,5 @@
 """Median search latency at a few scope sizes: `ExactIndex.search`, and the hybrid search
-(dense + BM25 fused) over the same facts. Run: python -m kvmem.index.latency
+(dense + BM25 fused) over the same facts. Run: python -m kvmem.index.latency [--depth N]
 
 A quick read on whether exact search is still cheap enough at per-user sizes; not a test
 (timings depend on the machine), so nothing here asserts.
@@ -7,6 +7,7 @@ A quick read on whether exact search is still cheap enough at per-user sizes; no
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -63,11 +64,14 @@ def median_us(fn: Callable[[np.ndarray], object], queries: np.ndarray, reps: int
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvmem.index.latency")
+    parser.add_argument("--depth", type=int, default=100, help="fusion candidates per ranking (default: 100)")
+    depth = parser.parse_args().depth
     rng = np.random.default_rng(0)
     queries = rng.normal(size=(64, DIM)).astype(np.float32)  # [64, dim]
     print(f"ExactIndex.search, dim={DIM}, k={K}, one scope; median over many calls")
     print(f"filtered: {FILTER} (matches 1/4 of rows)")
-    print("hybrid: dense top-100 and BM25 top-100 fused (3-word queries), no filter; texts of")
+    print(f"hybrid: dense top-{depth} and BM25 top-{depth} fused (3-word queries), no filter; texts of")
     print("  Zipf-distributed words (like natural text) and of a 30-word vocabulary (BM25's worst case)")
     print(f"{'vectors':>8} | {'unfiltered':>12} | {'filtered':>12} | {'hybrid Zipf':>12} | {'hybrid 30w':>12} | reps")
     print(f"{'-' * 8}-+-{'-' * 12}-+-{'-' * 12}-+-{'-' * 12}-+-{'-' * 12}-+-----")
@@ -79,9 +83,11 @@ def main() -> None:
         plain = median_us(lambda q: index.search("user", q, K), queries, reps)
         filtered = median_us(lambda q: index.search("user", q, K, FILTER), queries, min(reps, 500))
         natural = iter(zipf_texts * (reps + 10))
-        typical = median_us(lambda q: hybrid_search(index, zipf, "user", q, next(natural), K), queries, min(reps, 500))
+        typical = median_us(lambda q: hybrid_search(index, zipf, "user", q, next(natural), K, depth=depth),
+                            queries, min(reps, 500))
         words = iter(texts * (reps + 10))
-        fused = median_us(lambda q: hybrid_search(index, lexical, "user", q, next(words), K), queries, min(reps, 500))
+        fused = median_us(lambda q: hybrid_search(index, lexical, "user", q, next(words), K, depth=depth),
+                          queries, min(reps, 500))
         print(f"{n:>8} | {plain:>9.1f} us | {filtered:>9.1f} us | {typical:>9.1f} us | {fused:>9.1f} us "
               f"| {reps}/{min(reps, 500)}")
 

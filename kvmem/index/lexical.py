@@ -215,14 +215,15 @@ class LexicalIndex:
             if scope is None:
                 return {}
             vec = scope.scores(terms(query))  # [rows]
-            rows = np.flatnonzero(vec > 0)
             if conditions:
+                rows = np.flatnonzero(vec > 0)
                 match = matcher(conditions)
                 keep = np.fromiter((match(scope.metas[r]) for r in rows), dtype=bool, count=len(rows))
                 vec[rows[~keep]] = 0.0
-                rows = rows[keep]
-            if top is not None and top < len(rows):
+            if top is not None and top < np.count_nonzero(vec):  # scores are never negative
                 rows = _top_rows(vec, top, scope.ids)
+            else:
+                rows = np.flatnonzero(vec > 0)
             listed = rows.tolist()
             out = dict(zip([scope.ids[r] for r in listed], vec[rows].tolist()))
             for fact_id in also:

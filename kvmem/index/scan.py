@@ -41,6 +41,20 @@ def int8_scores(codes: np.ndarray, scales: np.ndarray, q: np.ndarray, k: int) ->
     return out, rows
 
 
+@njit(cache=True, nogil=True)
+def _reaching(approx: np.ndarray, scales: np.ndarray, half_l1: float, floor: float) -> np.ndarray:
+    """Rows whose approximate score [n] plus its error bound (scales [n] x half_l1, and the
+    rounding margin) reaches `floor`: every row that could be in the top k. One pass, where numpy
+    took four over the scope's rows."""
+    out = np.empty(approx.shape[0], np.int64)
+    m = 0
+    for i in range(approx.shape[0]):
+        if approx[i] + scales[i] * half_l1 + _ROUNDING >= floor:
+            out[m] = i
+            m += 1
+    return out[:m]
+
+
 def scan_top_k(vectors: np.ndarray, codes: np.ndarray, scales: np.ndarray, ids: Sequence[str],
                q: np.ndarray, k: int) -> Ranking:
     """The exact top-k of rows vectors [n, dim] float32 for q [dim], equal scores by id, reading
@@ -48,6 +62,5 @@ def scan_top_k(vectors: np.ndarray, codes: np.ndarray, scales: np.ndarray, ids: 
     approx, first = int8_scores(codes, scales, q, k)  # [n], [min(k, n)]: the k best by approximation
     # k rows score at least this exactly, so the k-th best row of all does too.
     floor = float((vectors[first] @ q).min())  # [k, dim] @ [dim]
-    reach = approx + scales * np.float32(0.5 * np.abs(q).sum()) + np.float32(_ROUNDING)  # [n]
-    contenders = np.flatnonzero(reach >= floor)  # [c]: every row that could be in the top k
+    contenders = _reaching(approx, scales, 0.5 * float(np.abs(q).sum()), floor)  # [c]
     return rank(vectors[contenders] @ q, RowIds(ids, contenders), k)  # [c, dim] @ [dim]

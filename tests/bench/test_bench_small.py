@@ -116,8 +116,8 @@ def test_locomo_eval_with_both_memories_stores_observations_bare_and_turns_after
     records = mem.get_all(user_id=user, limit=10_000)
     observations = [r for r in records if "dia_ids" in r.metadata]
     turns = [r for r in records if "session" in r.metadata]
-    assert len(observations) == len(locomo.observations(conv)) and len(observations) + len(turns) == len(records)
-    assert len(turns) == sum(len(t) for _, t, _ in locomo.sessions(conv))
+    assert {r.text for r in observations} == {f"[{o.date}] {o.text}" for o in locomo.observations(conv)}
+    assert len(observations) + len(turns) == len(records) and turns
     assert all(not r.context for r in observations)  # observations stand alone, as in "observations"
     assert all(r.context for r in turns if r.position)  # every turn but a session's first has turns before it
     assert user.endswith("-both-w2") and cfg.name.startswith("locomo-both-w2-k3")
