@@ -182,8 +182,13 @@ class Config:
                       disk_budget_mib=_mib_or_none(os.environ.get("KVMEM_KV_DISK_BUDGET_MIB", "")),
                       tenant_quota_mib=_mib_or_none(os.environ.get("KVMEM_KV_TENANT_QUOTA_MIB", "")),
                       shared_url=os.environ.get("KVMEM_KV_SHARED_URL") or None)
-        return replace(cls(engine=engine, kv=kv, database_url=os.environ.get("KVMEM_DATABASE_URL") or None),
-                       **overrides)
+        retrieval = RetrievalConfig(
+            mode=os.environ.get("KVMEM_RETRIEVAL", RetrievalConfig.mode),
+            depth=int(os.environ.get("KVMEM_RETRIEVAL_DEPTH", RetrievalConfig.depth)),
+            dense_weight=float(os.environ.get("KVMEM_RETRIEVAL_DENSE_WEIGHT", RetrievalConfig.dense_weight)),
+        )
+        return replace(cls(engine=engine, kv=kv, retrieval=retrieval,
+                           database_url=os.environ.get("KVMEM_DATABASE_URL") or None), **overrides)
 
 
 def _mib_or_none(value: str) -> float | None:

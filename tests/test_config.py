@@ -1,0 +1,27 @@
+"""Config.from_env: defaults, then KVMEM_* variables, then explicit overrides."""
+
+import pytest
+
+from kvmem.config import Config, RetrievalConfig
+
+
+def test_retrieval_comes_from_the_environment(monkeypatch):
+    assert Config.from_env().retrieval == RetrievalConfig()
+    monkeypatch.setenv("KVMEM_RETRIEVAL", "dense")
+    monkeypatch.setenv("KVMEM_RETRIEVAL_DEPTH", "50")
+    monkeypatch.setenv("KVMEM_RETRIEVAL_DENSE_WEIGHT", "0.7")
+    assert Config.from_env().retrieval == RetrievalConfig(mode="dense", depth=50, dense_weight=0.7)
+    explicit = RetrievalConfig(depth=7)
+    assert Config.from_env(retrieval=explicit).retrieval is explicit
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("KVMEM_RETRIEVAL", "fuzzy", "retrieval mode must be one of"),
+    ("KVMEM_RETRIEVAL_DEPTH", "0", "depth must be >= 1"),
+    ("KVMEM_RETRIEVAL_DENSE_WEIGHT", "1.5", "dense_weight within"),
+    ("KVMEM_RETRIEVAL_DEPTH", "many", "invalid literal"),
+])
+def test_a_bad_retrieval_setting_is_refused(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        Config.from_env()
