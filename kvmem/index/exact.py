@@ -19,7 +19,7 @@ from kvmem.index.block import ScopeBlock
 from kvmem.index.checks import check_ids, check_metadatas, check_scope, unit_query, unit_rows
 from kvmem.index.filters import Filters, matcher, validate_filters
 from kvmem.index.rwlock import RWLock
-from kvmem.index.scan import scan_top_k
+from kvmem.index.scan import row_scores, scan_top_k
 
 
 SCAN_FROM = 4096  # rows from which an unfiltered search reads the int8 copies first (kvmem.index.scan)
@@ -106,7 +106,7 @@ class ExactIndex(VectorIndex):
             if -1 in rows:  # ids not in the scope are left out
                 ids = [i for i, r in zip(ids, rows) if r >= 0]
                 rows = [r for r in rows if r >= 0]
-            return dict(zip(ids, (block.vectors[rows] @ q).tolist()))  # [m, dim] @ [dim] -> [m]
+            return dict(zip(ids, row_scores(block.vectors, np.asarray(rows, np.int64), q).tolist()))
 
     def count(self, scope_key: str) -> int:
         with self._lock.read():
@@ -127,5 +127,4 @@ def _search_block(block: ScopeBlock, q: np.ndarray, k: int, conditions: Filters)
         [i for i, meta in enumerate(block.metas) if match(meta)], np.int64))  # [m]
     if not len(rows):
         return EMPTY
-    scores = block.vectors[rows] @ q  # [m, dim] @ [dim] -> [m]
-    return rank(scores, RowIds(block.ids, rows), k)
+    return rank(row_scores(block.vectors, rows, q), RowIds(block.ids, rows), k)

@@ -41,6 +41,21 @@ def int8_scores(codes: np.ndarray, scales: np.ndarray, q: np.ndarray, k: int) ->
     return out, rows
 
 
+@njit(cache=True, fastmath=True, nogil=True)
+def row_scores(vectors: np.ndarray, rows: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Cosines [m] of q [dim] with vectors[rows] (vectors [n, dim] float32, rows [m]), read in
+    place: `vectors[rows] @ q` first copies the rows (3.8 MB for a filter passing 2,500 of 10k),
+    and allocating that per search cost as much as the products."""
+    out = np.empty(rows.shape[0], np.float32)
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        acc = np.float32(0.0)
+        for j in range(vectors.shape[1]):
+            acc += vectors[r, j] * q[j]
+        out[i] = acc
+    return out
+
+
 @njit(cache=True, nogil=True)
 def _reaching(approx: np.ndarray, scales: np.ndarray, half_l1: float, floor: float) -> np.ndarray:
     """Rows whose approximate score [n] plus its error bound (scales [n] x half_l1, and the
@@ -61,6 +76,6 @@ def scan_top_k(vectors: np.ndarray, codes: np.ndarray, scales: np.ndarray, ids: 
     the int8 codes [n, dim] with scales [n] for every row and float32 only for contenders."""
     approx, first = int8_scores(codes, scales, q, k)  # [n], [min(k, n)]: the k best by approximation
     # k rows score at least this exactly, so the k-th best row of all does too.
-    floor = float((vectors[first] @ q).min())  # [k, dim] @ [dim]
+    floor = float(row_scores(vectors, first, q).min())
     contenders = _reaching(approx, scales, 0.5 * float(np.abs(q).sum()), floor)  # [c]
-    return rank(vectors[contenders] @ q, RowIds(ids, contenders), k)  # [c, dim] @ [dim]
+    return rank(row_scores(vectors, contenders, q), RowIds(ids, contenders), k)

@@ -78,3 +78,13 @@ def test_the_scans_heap_keeps_the_k_best_approximate_scores(n, k):
     approx, best = int8_scores(codes, (peak / 127).astype(np.float32), rng.normal(size=32).astype(np.float32), k)
     assert len(best) == len(set(best.tolist())) == min(k, n)
     assert np.sort(approx[best])[::-1] == pytest.approx(np.sort(approx)[::-1][: min(k, n)], abs=0)
+
+
+def test_row_scores_read_in_place_equal_the_gathered_product():
+    from kvmem.index.scan import row_scores
+
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(500, 48)).astype(np.float32)
+    q = rng.normal(size=48).astype(np.float32)
+    for rows in (np.array([], np.int64), np.array([7]), rng.choice(500, 120, replace=False), np.array([3, 3, 499])):
+        assert row_scores(vectors, rows, q) == pytest.approx(vectors[rows] @ q, abs=1e-4)
