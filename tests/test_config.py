@@ -8,9 +8,9 @@ from kvmem.config import Config, RetrievalConfig
 def test_retrieval_comes_from_the_environment(monkeypatch):
     assert Config.from_env().retrieval == RetrievalConfig()
     monkeypatch.setenv("KVMEM_RETRIEVAL", "dense")
-    monkeypatch.setenv("KVMEM_RETRIEVAL_DEPTH", "50")
+    monkeypatch.setenv("KVMEM_RETRIEVAL_DEPTH", "30")
     monkeypatch.setenv("KVMEM_RETRIEVAL_DENSE_WEIGHT", "0.7")
-    assert Config.from_env().retrieval == RetrievalConfig(mode="dense", depth=50, dense_weight=0.7)
+    assert Config.from_env().retrieval == RetrievalConfig(mode="dense", depth=30, dense_weight=0.7)
     explicit = RetrievalConfig(depth=7)
     assert Config.from_env(retrieval=explicit).retrieval is explicit
 

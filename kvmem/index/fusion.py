@@ -12,11 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from kvmem.config import RetrievalConfig
 from kvmem.index.base import Hit, best_first
 
 
 def hybrid_search(vectors, lexical, scope_key: str, vector: np.ndarray, query: str, k: int,
-                  conditions: Any = None, depth: int = 100, dense_weight: float = 0.55) -> list[Hit]:
+                  conditions: Any = None, depth: int = RetrievalConfig.depth,
+                  dense_weight: float = RetrievalConfig.dense_weight) -> list[Hit]:
     """Top-k of a scope by fused dense and BM25 scores: the candidates are the top `depth` of
     each ranking; `vectors` (a VectorIndex) gives every candidate's cosine (the dense top's
     from its search, the others' by `similarities`), `lexical` (LexicalIndex) its BM25."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvmem.config import RetrievalConfig
 from kvmem.index.exact import ExactIndex
 from kvmem.index.fusion import hybrid_search
 from kvmem.index.lexical import LexicalIndex
@@ -65,7 +66,8 @@ def median_us(fn: Callable[[np.ndarray], object], queries: np.ndarray, reps: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m kvmem.index.latency")
-    parser.add_argument("--depth", type=int, default=100, help="fusion candidates per ranking (default: 100)")
+    parser.add_argument("--depth", type=int, default=RetrievalConfig.depth,
+                        help=f"fusion candidates per ranking (default: {RetrievalConfig.depth}, the service's)")
     depth = parser.parse_args().depth
     rng = np.random.default_rng(0)
     queries = rng.normal(size=(64, DIM)).astype(np.float32)  # [64, dim]
