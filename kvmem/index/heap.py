@@ -51,3 +51,29 @@ def k_best(values: np.ndarray, k: int) -> np.ndarray:
     for i in range(values.shape[0]):
         filled = offer(heap, rows, filled, values[i], i)
     return rows
+
+
+@njit(cache=True, nogil=True)
+def at_cut(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of `values` [n] above the k-th best value and those equal to it (k <= n):
+    the first are all in the top k, the second compete for its last places."""
+    cut = values[k_best(values, k)].min()
+    above = np.empty(k, np.int64)
+    tied = np.empty(values.shape[0], np.int64)
+    a = t = 0
+    for i in range(values.shape[0]):
+        if values[i] > cut:
+            above[a] = i
+            a += 1
+        elif values[i] == cut:
+            tied[t] = i
+            t += 1
+    return above[:a], tied[:t]
+
+
+@njit(cache=True, nogil=True)
+def scatter_add(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """out[rows] += values for distinct rows, in one compiled loop (numpy's fancy-index add
+    gathers, adds and scatters in three passes)."""
+    for i in range(rows.shape[0]):
+        out[rows[i]] += values[i]

@@ -22,7 +22,7 @@ import numpy as np
 from kvmem.index.base import Hit
 from kvmem.index.checks import check_ids, check_metadatas, check_scope
 from kvmem.index.filters import Filters, matcher, validate_filters
-from kvmem.index.heap import k_best
+from kvmem.index.heap import at_cut, scatter_add
 
 K1, B = 1.5, 0.75  # Lucene's BM25 constants; LoCoMo recall is flat across k1 0.9-2 and b 0.3-1
 _IMPACT_TERMS = 4096  # query terms whose BM25 shares a scope remembers between writes
@@ -118,7 +118,7 @@ class _Scope:
         out = np.zeros(len(self.ids), dtype=np.float64)
         for term in set(query_terms):
             rows, impact = self._impact(term)
-            out[rows] += impact
+            scatter_add(out, rows, impact)
         return out
 
     def _impact(self, term: str) -> tuple[np.ndarray, np.ndarray]:
@@ -157,8 +157,7 @@ def _top_rows(vec: np.ndarray, top: int, ids: list[str | None]) -> np.ndarray:
 
     Keeping every tie instead let a query of common words carry every fact tied at the cut into
     the fusion, however many: short facts over a small vocabulary tie by the hundreds."""
-    cut = vec[k_best(vec, top)].min()
-    above, tied = np.flatnonzero(vec > cut), np.flatnonzero(vec == cut)
+    above, tied = at_cut(vec, top)
     need = top - len(above)
     if len(tied) > need:
         tied = np.asarray(heapq.nsmallest(need, tied.tolist(), key=ids.__getitem__), dtype=np.int64)
@@ -226,10 +225,9 @@ class LexicalIndex:
                 rows = np.flatnonzero(vec > 0)
             listed = rows.tolist()
             out = dict(zip([scope.ids[r] for r in listed], vec[rows].tolist()))
-            for fact_id in also:
-                row = scope.rows.get(fact_id)
-                if row is not None and fact_id not in out:
-                    out[fact_id] = float(vec[row])
+            extra = [(i, r) for i, r in ((i, scope.rows.get(i)) for i in also if i not in out) if r is not None]
+            if extra:
+                out.update(zip([i for i, _ in extra], vec[[r for _, r in extra]].tolist()))
         return out
 
     def search(self, scope_key: str, query: str, k: int,
