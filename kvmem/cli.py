@@ -248,6 +248,16 @@ def _chat_details(mem, r) -> str:
 # -- forget -----------------------------------------------------------------------------------------
 
 
+def cmd_reembed(args: argparse.Namespace, config: Config) -> int:
+    """Recompute stored facts' search vectors with the current recipe (no engine needed)."""
+    from kvmem.service import KVMem
+
+    with KVMem(config, start_engine=False, background=False) as mem:
+        n = mem.reembed(user_id=args.user, batch=args.batch, progress=True)
+    print(f"re-embedded {n} facts" + (f" of user {args.user!r}" if args.user else ""))
+    return 0
+
+
 def cmd_forget(args: argparse.Namespace, config: Config) -> int:
     """Delete facts by id, or a user's (agent's, run's) whole memory with --all (no engine needed)."""
     from kvmem.service import KVMem
@@ -376,6 +386,14 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("ids", nargs="*", default=[], metavar="ID", help="fact ids to delete")
     what.add_argument("--all", action="store_true", help="delete every fact of the user (narrowed by --agent/--run)")
     p.set_defaults(func=cmd_forget)
+
+    p = sub.add_parser("reembed", help="recompute the search vectors of stored facts (no engine)",
+                       description="Re-embed every stored fact (or one user's) the way `add` embeds it now, and "
+                                   "re-index it: for a home written by an older kvmem or another embedder. "
+                                   "Safe to interrupt and rerun.")
+    p.add_argument("--user", default=None, help="only this user's facts (default: every user's)")
+    p.add_argument("--batch", type=_positive_int, default=256, help="facts embedded per call (default: 256)")
+    p.set_defaults(func=cmd_reembed)
 
     p = sub.add_parser("demo", help="store a short conversation, ask three questions in text and KV mode",
                        description="Store a 12-turn conversation for a demo user, then ask three questions "

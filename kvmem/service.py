@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import replace
 from typing import Iterator
 
+from tqdm import tqdm
+
 from kvmem.config import RETRIEVAL_MODES, Config, KVConfig
 from kvmem.embed.fact import fact_vectors
 from kvmem.encoding import EncodeReport, Encoder, salt
@@ -266,6 +268,36 @@ class KVMem:
         if record.text != old.text:
             self._encode_now([record], "sync")
         return self.facts.get(fact_id)
+
+    def reembed(self, *, user_id: str | None = None, batch: int = 256, progress: bool = False) -> int:
+        """Recompute every stored fact's search vector (one user's with `user_id`) the way `add`
+        makes it now (kvmem.embed.fact) and re-index it; returns how many were rewritten.
+
+        A home keeps the vectors it was written with: after an upgrade that changes how they are
+        made (or the embedder), its facts rank as before until this runs. Each batch is written
+        on its own, so an interrupted run loses nothing and a rerun redoes it; a fact whose text
+        changes meanwhile keeps the vector its update made (the write is skipped)."""
+        if user_id is not None:
+            Scope(user_id)
+        if not _int_at_least(batch, 1):
+            raise InvalidInputError(f"batch must be an int >= 1, got {batch!r}")
+        total = self.facts.count(user_id=user_id) if progress else None
+        done = offset = 0
+        with tqdm(total=total, desc="re-embedding facts", unit="fact", disable=not progress) as bar:
+            while page := self.facts.list(user_id=user_id, limit=min(batch, MAX_LIMIT), offset=offset):
+                vectors = fact_vectors(self.embedder, [r.text for r in page], [r.context for r in page])  # [n, dim]
+                with self._write_lock:
+                    for record, vector in zip(page, vectors):
+                        try:
+                            if not self.facts.set_embedding(record.id, vector, if_text=record.text):
+                                continue  # updated meanwhile: its update stored a vector of its own
+                        except UnknownFactError:
+                            continue  # deleted meanwhile
+                        self._index(self.facts.get(record.id), vector)
+                        done += 1
+                offset += len(page)
+                bar.update(len(page))
+        return done
 
     def delete(self, fact_id: str) -> None:
         """Forget: the text, the vector and the KV blob are gone; the history keeps the event only."""

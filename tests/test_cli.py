@@ -131,6 +131,20 @@ def test_forget_by_id_and_all(kvmem):
     assert rc == 0 and out.strip() == "no matching facts"
 
 
+def test_reembed_rewrites_every_facts_vector_or_one_users(kvmem):
+    kvmem("add", "--user", "alice", "--no-encode", DOG, JOB)
+    kvmem("add", "--user", "bob", "--no-encode", CELLO)
+    before = search_json(kvmem, "dog")
+    rc, out, err = kvmem("reembed")
+    assert rc == 0 and "re-embedded 3 facts" in out and "re-embedding facts" in err  # a progress bar
+    rc, out, _ = kvmem("reembed", "--user", "bob", "--batch", "1")
+    assert rc == 0 and "re-embedded 1 facts of user 'bob'" in out
+    assert [h["id"] for h in search_json(kvmem, "dog")] == [h["id"] for h in before]
+    with pytest.raises(SystemExit) as exit_:
+        kvmem("reembed", "--batch", "0")
+    assert exit_.value.code == 2
+
+
 def test_bad_input_exits_1_with_the_error_on_stderr(kvmem):
     rc, out, err = kvmem("add", "--user", "alice", "--no-encode", DOG, "   ")
     assert rc == 1 and err.strip() == "kvmem: fact must be a non-empty string"

@@ -119,3 +119,36 @@ def test_a_bad_k_is_refused_by_every_ranking(mem, ranking, k):
     mem.add(facts=[BERTHA], user_id="u", encode="none")
     with pytest.raises(InvalidInputError, match="k must be an int >= 1"):
         mem.search("Bertha", user_id="u", k=k, ranking=ranking)
+
+
+def test_reembed_brings_a_home_written_the_old_way_up_to_date(tmp_path, model_dir):
+    """A home written before a turn's vector kept its own text (context only: the violin turn
+    lost to the piano) ranks the old way after a restart; `reembed` rewrites its vectors, in
+    the store too, and leaves other users' alone when asked for one."""
+    import numpy as np
+
+    from kvmem.embed.fact import fact_vectors
+
+    config = Config(home=tmp_path / "home", models_home=model_dir.parent)
+    query = "What instrument is my daughter learning?"
+    with KVMem(config, start_engine=False) as mem:
+        ids = mem.add(MORTGAGE, user_id="u", window=2, encode="none").ids
+        mem.add(facts=["My neighbour plays the piano every evening.", "The bank approved the loan this morning."],
+                user_id="u", encode="none")
+        other = mem.add(MORTGAGE, user_id="w", window=2, encode="none").ids
+        for fact_id in ids + other:  # as an older kvmem stored them: text + context alone
+            r = mem.get(fact_id)
+            mem.facts.set_embedding(fact_id, mem.embedder.embed([search_text(r.text, r.context)])[0])
+    with KVMem(config, start_engine=False) as mem:
+        assert mem.search(query, user_id="u", k=1, ranking="dense")[0].id != ids[2]  # the old ranking
+        with pytest.raises(InvalidInputError, match="batch must be an int >= 1"):
+            mem.reembed(batch=0)
+        assert mem.reembed(user_id="u", batch=2) == 5
+        assert mem.search(query, user_id="u", k=1, ranking="dense")[0].id == ids[2]
+        stale = mem.get(other[2]).embedding
+    with KVMem(config, start_engine=False) as mem:  # the new vectors were stored, not only indexed
+        assert mem.search(query, user_id="u", k=1, ranking="dense")[0].id == ids[2]
+        records = [mem.get(i) for i in ids]
+        want = fact_vectors(mem.embedder, [r.text for r in records], [r.context for r in records])
+        assert np.allclose(np.stack([r.embedding for r in records]), want, atol=1e-6)
+        assert np.array_equal(mem.get(other[2]).embedding, stale)  # user w was not asked for
