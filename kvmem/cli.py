@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reembed", help="recompute the search vectors of stored facts (no engine)",
                        description="Re-embed every stored fact (or one user's) the way `add` embeds it now, and "
-                                   "re-index it: for a home written by an older kvmem or another embedder. "
+                                   "re-index it: for a home written by an older kvmem. "
                                    "Safe to interrupt and rerun.")
     p.add_argument("--user", default=None, help="only this user's facts (default: every user's)")
     p.add_argument("--batch", type=_positive_int, default=256, help="facts embedded per call (default: 256)")
