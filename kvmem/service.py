@@ -274,9 +274,9 @@ class KVMem:
         makes it now (kvmem.embed.fact) and re-index it; returns how many were rewritten.
 
         A home keeps the vectors it was written with: after an upgrade that changes how they are
-        made, its facts rank as before until this runs. Each batch is written
-        on its own, so an interrupted run loses nothing and a rerun redoes it; a fact whose text
-        changes meanwhile keeps the vector its update made (the write is skipped)."""
+        made, its facts rank as before until this runs. Each batch is written on its own, so an
+        interrupted run loses nothing and a rerun redoes it; a fact whose text changes meanwhile
+        keeps the vector its update made (the write is skipped)."""
         if user_id is not None:
             Scope(user_id)
         if not _int_at_least(batch, 1):
