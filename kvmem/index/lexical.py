@@ -225,9 +225,8 @@ class LexicalIndex:
                 rows = np.flatnonzero(vec > 0)
             listed = rows.tolist()
             out = dict(zip([scope.ids[r] for r in listed], vec[rows].tolist()))
-            extra = [(i, r) for i, r in ((i, scope.rows.get(i)) for i in also if i not in out) if r is not None]
-            if extra:
-                out.update(zip([i for i, _ in extra], vec[[r for _, r in extra]].tolist()))
+            extra = [i for i in also if i not in out and i in scope.rows]
+            out.update(zip(extra, vec[[scope.rows[i] for i in extra]].tolist()))
         return out
 
     def search(self, scope_key: str, query: str, k: int,
