@@ -102,11 +102,9 @@ class ExactIndex(VectorIndex):
             block = self._scopes.get(scope_key)
             if block is None:
                 return {}
-            rows = [block.rows.get(i, -1) for i in ids]
-            if -1 in rows:  # ids not in the scope are left out
-                ids = [i for i, r in zip(ids, rows) if r >= 0]
-                rows = [r for r in rows if r >= 0]
-            return dict(zip(ids, row_scores(block.vectors, np.asarray(rows, np.int64), q).tolist()))
+            found = [i for i in ids if i in block.rows]
+            rows = np.asarray([block.rows[i] for i in found], np.int64)  # [m]
+            return dict(zip(found, row_scores(block.vectors, rows, q).tolist()))
 
     def count(self, scope_key: str) -> int:
         with self._lock.read():
