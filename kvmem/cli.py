@@ -248,16 +248,6 @@ def _chat_details(mem, r) -> str:
 # -- forget -----------------------------------------------------------------------------------------
 
 
-def cmd_reembed(args: argparse.Namespace, config: Config) -> int:
-    """Recompute stored facts' search vectors with the current recipe (no engine needed)."""
-    from kvmem.service import KVMem
-
-    with KVMem(config, start_engine=False, background=False) as mem:
-        n = mem.reembed(user_id=args.user, batch=args.batch, progress=True)
-    print(f"re-embedded {n} facts" + (f" of user {args.user!r}" if args.user else ""))
-    return 0
-
-
 def cmd_forget(args: argparse.Namespace, config: Config) -> int:
     """Delete facts by id, or a user's (agent's, run's) whole memory with --all (no engine needed)."""
     from kvmem.service import KVMem
@@ -285,6 +275,19 @@ def _scope_name(args: argparse.Namespace) -> str:
     if args.run is not None:
         name += f", run {args.run!r}"
     return name
+
+
+# -- reembed ----------------------------------------------------------------------------------------
+
+
+def cmd_reembed(args: argparse.Namespace, config: Config) -> int:
+    """Recompute stored facts' search vectors with the current recipe (no engine needed)."""
+    from kvmem.service import KVMem
+
+    with KVMem(config, start_engine=False, background=False) as mem:
+        n = mem.reembed(user_id=args.user, batch=args.batch, progress=True)
+    print(f"re-embedded {n} facts" + (f" of user {args.user!r}" if args.user else ""))
+    return 0
 
 
 # -- parsing ----------------------------------------------------------------------------------------
