@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -301,12 +303,41 @@ def _start_llm(model: ModelInfo, config: Config, adapter: Path | None):
     # backend fails on prompt logprobs (scoring) when several requests share a step.
     lora = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": lora_rank(adapter),
             "lora_target_modules": [LORA_TARGET]} if adapter else {}
-    return LLM(
-        model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
-        max_num_seqs=ec.max_num_seqs, enable_prefix_caching=True, kv_transfer_config=transfer, seed=ec.seed,
-        gpu_memory_utilization=ec.gpu_memory_utilization, load_format=ec.load_format, enforce_eager=_eager(ec),
-        **lora,
-    )
+    with _children_skip_main_script():
+        return LLM(
+            model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
+            max_num_seqs=ec.max_num_seqs, enable_prefix_caching=True, kv_transfer_config=transfer, seed=ec.seed,
+            gpu_memory_utilization=ec.gpu_memory_utilization, load_format=ec.load_format, enforce_eager=_eager(ec),
+            **lora,
+        )
+
+
+@contextmanager
+def _children_skip_main_script() -> Iterator[None]:
+    """Start vLLM's processes without running the caller's main script in them.
+
+    vLLM starts its engine-core process (which starts the workers) with multiprocessing's
+    "spawn", and spawn first runs the parent's main script (or `-m` module) again in the child.
+    A user's script that makes a KVMem at top level, as the README shows, then makes one in the
+    child too, and multiprocessing aborts the start. With an `if __name__ == "__main__":` guard,
+    its imports still run there, and on the CPU backend a worker that has loaded numba (kvmem's
+    index kernels do; so may the script) dies at start: vLLM's Triton-override scan
+    (vllm/triton_utils/dispatcher.py) calls `vars()` on every module global, and llvmlite's
+    `lib` answers with a wrapped function instead of a dict. vLLM's processes need nothing from
+    the script (what they run is imported by module name), so spawn is told there is none: the
+    main module's `__file__` and `__spec__` are hidden while vLLM starts, and put back after.
+    """
+    main = sys.modules.get("__main__")
+    saved = dict(vars(main)) if main is not None else {}
+    if main is not None:
+        main.__spec__ = None  # spawn reads both with getattr: None / absent mean "no main to run"
+        vars(main).pop("__file__", None)
+    try:
+        yield
+    finally:
+        for name in ("__file__", "__spec__"):
+            if name in saved:
+                setattr(main, name, saved[name])
 
 
 def _eager(ec) -> bool:

@@ -26,7 +26,7 @@ def reader_mem(model_dir, tmp_path_factory):
     torch.manual_seed(0)
     with torch.no_grad():
         for _, m in wrapped:
-            m.lora_B.normal_(0, 0.02)  # an adapter that visibly changes the reader
+            m.lora_B.normal_(0, 0.3)  # an adapter that visibly changes the reader (shifts of ~1 nat)
     lora.save(wrapped, adapters.user_folder(home, info.fingerprint), rank=8, alpha=16.0, base_model=str(model_dir),
               meta={"fingerprint": info.fingerprint})
     mem = KVMem(Config(home=home, models_home=default_home() / "models"), background=False)
@@ -78,3 +78,33 @@ def test_scoring_several_kv_chats_at_once_with_the_adapter(reader_mem):
     alone = mem.score(questions[0], "Bruno the puppy", user_id="reader-batch", fact_ids=ids, mode="kv")
     assert all(len(s) == len(alone) for s in scored)
     assert max(abs(a - b) for a, b in zip(scored[0], alone)) < 0.1  # batching must not change the reader
+
+
+def test_the_engine_reads_with_the_adapter_as_the_lab_does(reader_mem, model_dir):
+    """Oracle: the first-token shift the adapter causes in vLLM (bf16, LoRA request, injected KV)
+    against the same shift in the PyTorch lab (fp32, reader/lab.py) on the same chat. A LoRA
+    scaled or placed differently by vLLM (alpha, rank, other projections) would change the slope."""
+    from kvmem.reader.examples import from_records
+    from kvmem.reader.lab import memory_cache, reply_logits
+    from kvmem.reader.train import load_model
+
+    mem = reader_mem
+    ids = list(mem.add(facts=FACTS, user_id="reader-lab").ids)
+    q = "Tell me about my family."
+    kv = mem.chat(q, user_id="reader-lab", fact_ids=ids, mode="kv", max_tokens=1, logprobs=20)
+    plain = mem.chat(q, user_id="reader-lab", fact_ids=ids, mode="kv", max_tokens=1, logprobs=20, reader=False)
+    model = load_model(model_dir)
+    wrapped = lora.attach(model, rank=8, alpha=16.0)
+    lora.load_into(wrapped, mem.engine.reader_adapter)
+    ex = from_records(mem.prompts, [mem.get(i) for i in ids], [{"role": "user", "content": q}])
+    with torch.no_grad():
+        with lora.disabled(wrapped):
+            layers = memory_cache(model, ex)
+            lab_plain = reply_logits(model, ex, (0,), layers)[0].log_softmax(-1)
+        lab_kv = reply_logits(model, ex, (0,), layers)[0].log_softmax(-1)
+    shared = sorted(set(kv.first_logprobs) & set(plain.first_logprobs))
+    engine = torch.tensor([kv.first_logprobs[t] - plain.first_logprobs[t] for t in shared])
+    lab = (lab_kv - lab_plain)[shared].double()
+    slope = float(engine.double() @ lab / (lab @ lab))
+    assert len(shared) >= 10 and lab.abs().max() > 0.5  # the adapter moves the reader well past bf16 noise
+    assert torch.corrcoef(torch.stack([engine.double(), lab]))[0, 1] > 0.95 and 0.85 < slope < 1.15  # 0.99, 1.00
