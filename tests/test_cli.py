@@ -187,3 +187,9 @@ def test_chat_answers_each_line_with_the_users_facts_injected(kvmem, monkeypatch
         assert int(m[2]) > 0 and m[3] == "0"  # pending facts were encoded before the first question
     rc, out, _ = kvmem("search", "--user", "alice", "dog")
     assert "pending" not in out and "encoded" in out
+
+
+def test_tune_reader_refuses_a_first_weight_of_zero(kvmem, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        kvmem("tune-reader", "--first-weight", "0")
+    assert exit_.value.code == 2 and "--first-weight: must be > 0, got 0" in capsys.readouterr().err

@@ -21,6 +21,13 @@ def _ids(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("tune-reader", help="train the reader adapter (LoRA on q_proj) by distilling text prefill",
                        description=__doc__)
@@ -40,6 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--reply-tokens", type=int, default=16, help="teacher reply length distilled (default: 16)")
+    p.add_argument("--first-weight", type=_positive_float, default=1.0,
+                   help="weight of the reply's first token in the loss, the others 1 (default: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
                    help="adapter folder (default: <home>/adapters/<model fingerprint>, which serving picks up)")
@@ -56,7 +65,8 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     overlap = set(args.conversations) & set(args.eval_conversations)
     if overlap:
         raise SystemExit(f"kvmem tune-reader: {sorted(overlap)} would be trained on and evaluated on")
-    cfg = TuneConfig(rank=args.rank, lr=args.lr, epochs=args.epochs, reply_tokens=args.reply_tokens, seed=args.seed)
+    cfg = TuneConfig(rank=args.rank, lr=args.lr, epochs=args.epochs, reply_tokens=args.reply_tokens, seed=args.seed,
+                     first_weight=args.first_weight)
     with KVMem(config, start_engine=False, background=False) as mem:
         train = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, limit=args.limit or None,
                                                  seed=args.seed)]

@@ -40,10 +40,13 @@ class TuneConfig:
     reply_tokens: int = 16
     seed: int = 0
     checkpoint_every: int = 50  # steps
+    first_weight: float = 1.0  # the reply's first token counts this many times in the loss
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.epochs < 1 or self.reply_tokens < 1 or self.lr <= 0 or self.checkpoint_every < 1:
             raise ValueError("rank, epochs, reply_tokens and checkpoint_every must be >= 1 and lr > 0")
+        if not self.first_weight > 0:
+            raise ValueError(f"first_weight must be > 0, got {self.first_weight!r}")
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ def tune(model, examples: list[Example], eos: set[int], out: Path, cfg: TuneConf
             order = list(range(len(examples)))
             random.Random(cfg.seed + epoch).shuffle(order)  # a fixed order per epoch: resuming replays it
             n = order[i]
-            losses.append(_step(model, wrapped, opt, examples[n], targets[n], facts))
+            losses.append(_step(model, wrapped, opt, examples[n], targets[n], facts, cfg.first_weight))
             step += 1
             bar.update()
             bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
@@ -158,11 +161,20 @@ def evaluate(model, wrapped, examples: list[Example], eos: set[int], reply_token
     return {name: summarize(r) for name, r in rows.items()}
 
 
-def _step(model, wrapped, opt, ex: Example, target, facts: FactKV) -> float:
+def reply_loss(kl: torch.Tensor, first_weight: float = 1.0) -> torch.Tensor:
+    """Weighted mean of the per-token KL [n] of a reply. The first token is the one a chat's
+    answer turns on (and the one the engine's fidelity numbers measure): `first_weight` > 1
+    gives it that many tokens' share of the loss."""
+    weights = torch.ones_like(kl)
+    weights[0] = first_weight
+    return (kl * weights).sum() / weights.sum()
+
+
+def _step(model, wrapped, opt, ex: Example, target, facts: FactKV, first_weight: float = 1.0) -> float:
     reply, teacher = target
     with torch.no_grad(), lora.disabled(wrapped):
         layers = memory_cache(model, ex, facts=facts)  # the engine encodes facts without the adapter
-    loss = kl_per_token(teacher, reply_logits(model, ex, reply, layers)).mean()
+    loss = reply_loss(kl_per_token(teacher, reply_logits(model, ex, reply, layers)), first_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()

@@ -28,3 +28,19 @@ def test_loss_falls_and_adapter_is_saved(model_dir, make_example, eos, tmp_path)
     ids = torch.tensor([examples[0].ids])
     with torch.no_grad():
         assert torch.allclose(fresh(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_reply_loss_weights_the_first_token():
+    from kvmem.reader.train import reply_loss
+
+    kl = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert reply_loss(kl).item() == 0.25  # weight 1: the plain mean
+    assert abs(reply_loss(kl, 4.0).item() - 4 / 7) < 1e-7
+    assert abs(reply_loss(torch.tensor([0.0, 1.0, 1.0, 1.0]), 4.0).item() - 3 / 7) < 1e-7
+
+
+def test_first_weight_must_be_positive():
+    import pytest
+
+    with pytest.raises(ValueError, match="first_weight"):
+        TuneConfig(first_weight=0.0)
