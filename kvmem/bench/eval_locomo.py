@@ -159,11 +159,18 @@ def _first_token(text: dict, kv: dict) -> tuple[bool | None, float]:
     return agree, top20_kl(text_first, kv_first)
 
 
+def log_name(cfg: EvalConfig, fingerprint: str, adapter: Path | None) -> str:
+    """The resume log's file name. Per model and per reader adapter (whose rows carry kv_plain
+    too): resuming must never pick up answers another model or adapter gave in the same home."""
+    from kvmem.reader.adapters import identity
+
+    reader = f".reader-{identity(adapter)}" if adapter else ""
+    return f"{cfg.name}.{fingerprint[:12]}{reader}.jsonl"
+
+
 def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    # Per model: resuming must never pick up another model's answers from the same home.
-    reader = ".reader" if mem.engine.reader_adapter else ""  # with an adapter rows carry kv_plain too
-    log_path = out_dir / f"{cfg.name}.{mem.model.fingerprint[:12]}{reader}.jsonl"
+    log_path = out_dir / log_name(cfg, mem.model.fingerprint, mem.engine.reader_adapter)
     done = {json.loads(line)["key"] for line in log_path.open()} if log_path.exists() else set()
     convs = [c for c in locomo.load(cfg.data) if not cfg.conversations or c["sample_id"] in cfg.conversations]
     if cfg.codecs and mem.config.kv.codec != "none":

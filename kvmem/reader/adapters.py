@@ -21,6 +21,17 @@ log = logging.getLogger(__name__)
 SHIPPED = Path(__file__).parent / "shipped"
 
 
+def identity(folder: Path) -> str:
+    """A short digest of an adapter's weights: two adapters for one model differ here."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(Path(folder) / "adapter_model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:12]
+
+
 def folder_name(fingerprint: str) -> str:
     return fingerprint[:16]
 

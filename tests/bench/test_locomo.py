@@ -44,6 +44,25 @@ def test_runs_over_different_conversations_never_share_a_resume_log():
     assert EvalConfig(Path("d.json"), limit=30, seed=1).name != EvalConfig(Path("d.json"), limit=30).name
 
 
+def test_runs_with_different_reader_adapters_never_share_a_resume_log(tmp_path):
+    """Before, every adapter of a model wrote `<name>.<model>.reader.jsonl`: a run with a newly
+    trained adapter resumed the old adapter's answers as its own."""
+    from pathlib import Path
+
+    from kvmem.bench.eval_locomo import EvalConfig, log_name
+
+    cfg, model = EvalConfig(Path("d.json"), ("conv-42",), limit=10), "b09197e460a8" + "0" * 52
+    folders = {}
+    for name, weights in [("old", b"old weights"), ("new", b"new weights"), ("copy", b"old weights")]:
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "adapter_model.safetensors").write_bytes(weights)
+    names = {k: log_name(cfg, model, f) for k, f in folders.items()}
+    assert names["old"] != names["new"] and names["old"] == names["copy"]  # the weights decide, not the folder
+    plain = log_name(cfg, model, None)
+    assert plain == f"{cfg.name}.b09197e460a8.jsonl" and ".reader-" in names["old"]
+
+
 def test_the_turns_before_an_observation_end_at_its_first_evidence_turn(conv):
     obs = next(o for o in locomo.observations(conv) if len(o.dia_ids) == 1 and o.dia_ids[0].endswith(":16"))
     window = locomo.turns_before(conv, obs.dia_ids, 2)
