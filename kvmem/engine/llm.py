@@ -328,16 +328,15 @@ def _children_skip_main_script() -> Iterator[None]:
     main module's `__file__` and `__spec__` are hidden while vLLM starts, and put back after.
     """
     main = sys.modules.get("__main__")
-    saved = dict(vars(main)) if main is not None else {}
-    if main is not None:
-        main.__spec__ = None  # spawn reads both with getattr: None / absent mean "no main to run"
-        vars(main).pop("__file__", None)
+    names = vars(main) if main is not None else {}
+    saved = {name: names[name] for name in ("__file__", "__spec__") if name in names}
+    names.pop("__file__", None)  # spawn reads both with getattr: absent / None mean "no main to run"
+    if "__spec__" in saved:
+        names["__spec__"] = None
     try:
         yield
     finally:
-        for name in ("__file__", "__spec__"):
-            if name in saved:
-                setattr(main, name, saved[name])
+        names.update(saved)
 
 
 def _eager(ec) -> bool:
