@@ -193,3 +193,13 @@ def test_tune_reader_refuses_a_first_weight_of_zero(kvmem, capsys):
     with pytest.raises(SystemExit) as exit_:
         kvmem("tune-reader", "--first-weight", "0")
     assert exit_.value.code == 2 and "--first-weight: must be > 0, got 0" in capsys.readouterr().err
+
+
+def test_tune_reader_keeps_the_shipped_scale_at_any_rank_unless_told():
+    from kvmem.cli import build_parser
+    from kvmem.reader.cli import tune_config
+
+    parse = build_parser().parse_args
+    assert (tune_config(parse(["tune-reader"])).alpha, tune_config(parse(["tune-reader"])).rank) == (16.0, 8)
+    assert tune_config(parse(["tune-reader", "--rank", "32"])).alpha == 64.0
+    assert tune_config(parse(["tune-reader", "--rank", "32", "--alpha", "8"])).alpha == 8.0

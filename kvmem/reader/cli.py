@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("-k", type=int, default=10, help="facts per chat (default: 10)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--alpha", type=_positive_float, default=None,
+                   help="LoRA alpha; the update is scaled by alpha / rank (default: 2 x rank, the scale of the shipped adapter)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--reply-tokens", type=int, default=16, help="teacher reply length distilled (default: 16)")
     p.add_argument("--first-weight", type=_positive_float, default=1.0,
@@ -56,17 +58,24 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_tune_reader)
 
 
+def tune_config(args: argparse.Namespace):
+    """The training settings of a `tune-reader` command line."""
+    from kvmem.reader.train import TuneConfig
+
+    return TuneConfig(rank=args.rank, alpha=args.alpha or 2.0 * args.rank, lr=args.lr, epochs=args.epochs,
+                      reply_tokens=args.reply_tokens, seed=args.seed, first_weight=args.first_weight)
+
+
 def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     from kvmem.reader import adapters, lora
     from kvmem.reader.examples import locomo_examples
-    from kvmem.reader.train import TuneConfig, eos_ids, evaluate, load_model, tune
+    from kvmem.reader.train import eos_ids, evaluate, load_model, tune
     from kvmem.service import KVMem
 
     overlap = set(args.conversations) & set(args.eval_conversations)
     if overlap:
         raise SystemExit(f"kvmem tune-reader: {sorted(overlap)} would be trained on and evaluated on")
-    cfg = TuneConfig(rank=args.rank, lr=args.lr, epochs=args.epochs, reply_tokens=args.reply_tokens, seed=args.seed,
-                     first_weight=args.first_weight)
+    cfg = tune_config(args)
     with KVMem(config, start_engine=False, background=False) as mem:
         train = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, limit=args.limit or None,
                                                  seed=args.seed)]

@@ -47,6 +47,8 @@ class TuneConfig:
             raise ValueError("rank, epochs, reply_tokens and checkpoint_every must be >= 1 and lr > 0")
         if not self.first_weight > 0:
             raise ValueError(f"first_weight must be > 0, got {self.first_weight!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha!r}")
 
 
 @dataclass(frozen=True)

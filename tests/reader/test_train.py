@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvmem.reader import lora
@@ -39,8 +40,11 @@ def test_reply_loss_weights_the_first_token():
     assert abs(reply_loss(torch.tensor([0.0, 1.0, 1.0, 1.0]), 4.0).item() - 3 / 7) < 1e-7
 
 
-def test_first_weight_must_be_positive():
-    import pytest
+def test_alpha_must_be_positive():
+    with pytest.raises(ValueError, match="alpha"):
+        TuneConfig(alpha=0.0)
 
+
+def test_first_weight_must_be_positive():
     with pytest.raises(ValueError, match="first_weight"):
         TuneConfig(first_weight=0.0)
