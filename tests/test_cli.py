@@ -203,3 +203,15 @@ def test_tune_reader_keeps_the_shipped_scale_at_any_rank_unless_told():
     assert (tune_config(parse(["tune-reader"])).alpha, tune_config(parse(["tune-reader"])).rank) == (16.0, 8)
     assert tune_config(parse(["tune-reader", "--rank", "32"])).alpha == 64.0
     assert tune_config(parse(["tune-reader", "--rank", "32", "--alpha", "8"])).alpha == 8.0
+
+
+def test_tune_reader_targets_are_checked_and_kept_in_peft_order(capsys):
+    from kvmem.cli import build_parser
+    from kvmem.reader.cli import tune_config
+
+    parse = build_parser().parse_args
+    assert tune_config(parse(["tune-reader"])).targets == ("q_proj",)
+    assert tune_config(parse(["tune-reader", "--targets", "o_proj,q_proj"])).targets == ("q_proj", "o_proj")
+    with pytest.raises(SystemExit) as exit_:
+        parse(["tune-reader", "--targets", "q_proj,lm_head"])
+    assert exit_.value.code == 2 and "expected names among q_proj" in capsys.readouterr().err

@@ -33,7 +33,7 @@ from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
-from kvmem.reader.lora import TARGET as LORA_TARGET, lora_rank
+from kvmem.reader.lora import folder_targets, lora_rank
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +299,10 @@ def _start_llm(model: ModelInfo, config: Config, adapter: Path | None):
     ec = config.engine
     transfer = KVTransferConfig(**transfer_config(config, model))  # the same settings a replica gets
     # LoRA is switched on only with an adapter: on the CPU backend it also turns graph compilation off.
-    # Wrapping only the query projections keeps LoRA off lm_head, whose LoRA wrapper on vLLM's CPU
-    # backend fails on prompt logprobs (scoring) when several requests share a step.
+    # Wrapping only the adapter's own modules keeps LoRA off lm_head, whose LoRA wrapper on vLLM's
+    # CPU backend fails on prompt logprobs (scoring) when several requests share a step.
     lora = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": lora_rank(adapter),
-            "lora_target_modules": [LORA_TARGET]} if adapter else {}
+            "lora_target_modules": folder_targets(adapter)} if adapter else {}
     with _children_skip_main_script():
         return LLM(
             model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,

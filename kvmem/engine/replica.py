@@ -14,7 +14,7 @@ import sys
 from kvmem.config import Config
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
-from kvmem.reader.lora import TARGET as LORA_TARGET, lora_rank
+from kvmem.reader.lora import folder_targets, lora_rank
 
 CONNECTOR = "KvmemConnector"
 CONNECTOR_MODULE = "kvmem.engine.connector"
@@ -70,7 +70,7 @@ def command(config: Config, model: ModelInfo, *, host: str = "127.0.0.1", port: 
     adapter = adapters.find(config.kv.reader_adapter, config.home, model.fingerprint)
     if adapter is not None:
         cmd += ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", str(lora_rank(adapter)),
-                "--lora-target-modules", LORA_TARGET, "--lora-modules", f"{reader_name(model)}={adapter}"]
+                "--lora-target-modules", *folder_targets(adapter), "--lora-modules", f"{reader_name(model)}={adapter}"]
     if ec.enforce_eager or (ec.enforce_eager is None and _cpu_only()):
         cmd.append("--enforce-eager")
     return cmd

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from kvmem.errors import AdapterError
-from kvmem.reader.lora import read_meta
+from kvmem.reader.lora import folder_targets, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ def find(setting: str, home: Path, fingerprint: str) -> Path | None:
 def _checked(folder: Path, fingerprint: str) -> Path | None:
     try:
         meta = read_meta(folder)
+        folder_targets(folder)
     except AdapterError as e:
         log.warning("reader adapter refused, plain KV mode: %s", e)
         return None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvmem.bench import locomo
 from kvmem.cli import _non_negative_int
+from kvmem.reader.lora import TARGETS
 from kvmem.reader.train import TUNE_CONVERSATIONS
 
 REPORT_CONVERSATIONS = ("conv-42", "conv-43", "conv-44", "conv-47")
@@ -28,8 +29,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _targets(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in names if t not in TARGETS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected names among {','.join(TARGETS)}, got {text!r}")
+    return tuple(t for t in TARGETS if t in names)
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune-reader", help="train the reader adapter (LoRA on q_proj) by distilling text prefill",
+    p = sub.add_parser("tune-reader", help="train the reader adapter (LoRA, on q_proj by default) by distilling text prefill",
                        description=__doc__)
     p.add_argument("--data", type=Path, default=locomo.DEFAULT_PATH, help="LoCoMo JSON (read by path, never copied)")
     p.add_argument("--conversations", type=_ids, default=TUNE_CONVERSATIONS,
@@ -47,6 +56,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=_positive_float, default=None,
                    help="LoRA alpha; the update is scaled by alpha / rank (default: 2 x rank, the scale of the shipped adapter)")
+    p.add_argument("--targets", type=_targets, default=("q_proj",), metavar="NAMES",
+                   help="comma-separated linear layers to adapt, among " + ",".join(TARGETS) + " (default: q_proj)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--reply-tokens", type=int, default=16, help="teacher reply length distilled (default: 16)")
     p.add_argument("--first-weight", type=_positive_float, default=1.0,
@@ -63,7 +74,8 @@ def tune_config(args: argparse.Namespace):
     from kvmem.reader.train import TuneConfig
 
     return TuneConfig(rank=args.rank, alpha=args.alpha or 2.0 * args.rank, lr=args.lr, epochs=args.epochs,
-                      reply_tokens=args.reply_tokens, seed=args.seed, first_weight=args.first_weight)
+                      reply_tokens=args.reply_tokens, seed=args.seed, first_weight=args.first_weight,
+                      targets=args.targets)
 
 
 def cmd_tune_reader(args: argparse.Namespace, config) -> int:

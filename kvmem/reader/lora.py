@@ -1,7 +1,8 @@
-"""A low-rank adapter on the attention query projections, saved in PEFT's layout so vLLM loads it.
+"""A low-rank adapter on the reader's projections, saved in PEFT's layout so vLLM loads it.
 
-Only the queries change: keys and values of every token the adapter does not read stay what
-the encoder stored, which is what lets one set of blobs serve chats with and without it.
+By default only the query projections (`TARGET`). Whatever it adapts, it runs on the tokens a
+KV-mode chat computes (the tail and the reply): the facts' keys and values stay what the encoder
+stored without it, which is what lets one set of blobs serve chats with and without it.
 
 Files in an adapter folder: adapter_config.json and adapter_model.safetensors (PEFT's names,
 what vLLM's LoRA loader reads), and kvmem.json (the model fingerprint it was trained for, and
@@ -21,6 +22,7 @@ from torch import nn
 from kvmem.errors import AdapterError
 
 TARGET = "q_proj"
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vLLM adapts all of them
 META = "kvmem.json"
 
 
@@ -43,20 +45,44 @@ class LoRALinear(nn.Module):
         return out + (x @ self.lora_A.T @ self.lora_B.T) * self.scale  # [..., in] -> [..., out]
 
 
-def attach(model, rank: int = 8, alpha: float = 16.0) -> list[tuple[str, LoRALinear]]:
-    """Wrap every layer's q_proj; freezes the base model. Returns (PEFT module name, wrapper)."""
+def attach(model, rank: int = 8, alpha: float = 16.0,
+           targets: tuple[str, ...] = (TARGET,)) -> list[tuple[str, LoRALinear]]:
+    """Wrap every layer's linear layers named in `targets` (q_proj, o_proj, down_proj...); freezes
+    the base model. Returns (PEFT module name, wrapper)."""
+    unknown = set(targets) - set(TARGETS)
+    if not targets or unknown:
+        raise AdapterError(f"targets must be among {TARGETS}, got {tuple(targets)}")
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = []
     for name, module in list(model.named_modules()):
-        if name.endswith(f"self_attn.{TARGET}") and isinstance(module, nn.Linear):
-            parent = model.get_submodule(name.rsplit(".", 1)[0])
+        parent_name, _, leaf = name.rpartition(".")
+        if leaf in targets and parent_name.rpartition(".")[2] in ("self_attn", "mlp") and isinstance(module, nn.Linear):
             lora = LoRALinear(module, rank, alpha)
-            setattr(parent, TARGET, lora)
+            setattr(model.get_submodule(parent_name), leaf, lora)
             wrapped.append((name, lora))
     if not wrapped:
-        raise AdapterError(f"{type(model).__name__} has no self_attn.{TARGET} linear layers to adapt")
+        raise AdapterError(f"{type(model).__name__} has no {'/'.join(targets)} linear layers to adapt")
     return wrapped
+
+
+def targets_of(wrapped) -> list[str]:
+    """The module kinds an attached adapter wraps, in TARGETS order (PEFT's target_modules)."""
+    leaves = {name.rpartition(".")[2] for name, _ in wrapped}
+    return [t for t in TARGETS if t in leaves]
+
+
+def folder_targets(folder: Path) -> list[str]:
+    """An adapter folder's target_modules, as vLLM must be told them (--lora-target-modules);
+    AdapterError when they are missing or not among TARGETS (vLLM would wrap lm_head or fail)."""
+    path = Path(folder) / "adapter_config.json"
+    try:
+        targets = json.loads(path.read_text()).get("target_modules")
+    except (OSError, ValueError, AttributeError) as e:
+        raise AdapterError(f"{path} is unreadable: {e}") from e
+    if not isinstance(targets, list) or not targets or not set(targets) <= set(TARGETS):
+        raise AdapterError(f"{path}: target_modules must be a list among {TARGETS}, got {targets!r}")
+    return targets
 
 
 @contextmanager
@@ -84,7 +110,7 @@ def save(wrapped, folder: Path, *, rank: int, alpha: float, base_model: str, met
         tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().contiguous().clone()
     save_file(tensors, str(tmp / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "target_modules": [TARGET], "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": targets_of(wrapped), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "base_model_name_or_path": base_model, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))

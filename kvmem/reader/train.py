@@ -41,6 +41,7 @@ class TuneConfig:
     seed: int = 0
     checkpoint_every: int = 50  # steps
     first_weight: float = 1.0  # the reply's first token counts this many times in the loss
+    targets: tuple[str, ...] = (lora.TARGET,)  # the reader's linear layers the adapter wraps
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.epochs < 1 or self.reply_tokens < 1 or self.lr <= 0 or self.checkpoint_every < 1:
@@ -100,7 +101,7 @@ def tune(model, examples: list[Example], eos: set[int], out: Path, cfg: TuneConf
         raise ValueError("no training examples")
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    wrapped = lora.attach(model, cfg.rank, cfg.alpha)
+    wrapped = lora.attach(model, cfg.rank, cfg.alpha, cfg.targets)
     work = _work_dir(out, examples, cfg)
     targets = teacher_targets(model, wrapped, examples, eos, cfg.reply_tokens, work, progress)
     params = [p for _, m in wrapped for p in (m.lora_A, m.lora_B)]

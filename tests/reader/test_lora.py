@@ -70,9 +70,33 @@ def test_save_load_round_trip_in_peft_layout(adapted, tmp_path, model_dir):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 
+def test_an_adapter_on_other_layers_round_trips_with_its_targets(model_dir, tmp_path):
+    from kvmem.reader.train import load_model
+
+    model = load_model(model_dir)
+    wrapped = lora.attach(model, rank=4, alpha=8.0, targets=("down_proj", "q_proj", "o_proj"))
+    assert len(wrapped) == 3 * model.config.num_hidden_layers
+    _randomize(wrapped)
+    folder = tmp_path / "adapter"
+    lora.save(wrapped, folder, rank=4, alpha=8.0, base_model="", meta={"fingerprint": "abc"})
+    assert lora.folder_targets(folder) == ["q_proj", "o_proj", "down_proj"]  # PEFT's list, in TARGETS order
+    again = lora.attach(load_model(model_dir), rank=4, alpha=8.0, targets=tuple(lora.folder_targets(folder)))
+    lora.load_into(again, folder)
+    assert [n for n, _ in again] == [n for n, _ in wrapped]
+    assert all(torch.equal(a.lora_B, b.lora_B) for (_, a), (_, b) in zip(again, wrapped))
+
+
+def test_unknown_targets_are_refused(model_dir):
+    from kvmem.errors import AdapterError
+    from kvmem.reader.train import load_model
+
+    with pytest.raises(AdapterError, match="targets must be among"):
+        lora.attach(load_model(model_dir), targets=("lm_head",))
+
+
 def _fake_adapter(folder, fingerprint: str) -> None:
     folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": ["q_proj"]}))
     (folder / "adapter_model.safetensors").write_bytes(b"")
     (folder / lora.META).write_text(json.dumps({"fingerprint": fingerprint}))
 
@@ -98,3 +122,9 @@ def test_find_picks_this_models_adapter_and_refuses_others(tmp_path, caplog, mon
     with caplog.at_level(logging.WARNING, logger="kvmem.reader.adapters"):
         assert adapters.find("auto", tmp_path, fp) is None
     assert "adapter_model.safetensors is missing" in caplog.text
+    (mine / "adapter_model.safetensors").write_bytes(b"")
+    (mine / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": ["lm_head"]}))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvmem.reader.adapters"):
+        assert adapters.find("auto", tmp_path, fp) is None
+    assert "target_modules must be a list among" in caplog.text
