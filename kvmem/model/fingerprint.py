@@ -1,6 +1,9 @@
 """A model fingerprint: what a KV blob must have been computed with to be injected.
 
 fingerprint = sha256(config.json, weights' sha256, serving dtype, KV format version).
+config.json is hashed without what records who wrote the folder rather than the model (the path
+it was converted from, the writer's transformers version), keys sorted: one model converted in two
+virtualenvs has one fingerprint, so its KV blobs and its shipped reader adapter serve both.
 Hashing the weights costs about a second per 250 MB, so the weights' hash is cached in the
 folder, keyed by file size and mtime.
 """
@@ -15,14 +18,23 @@ from kvmem.config import KV_FORMAT_VERSION
 
 _CACHE_FILE = ".kvmem-weights-sha256.json"
 _CHUNK = 1 << 22
+_PROVENANCE = ("_name_or_path", "transformers_version")
 
 
 def fingerprint(model_dir: Path, dtype: str, kv_format: int = KV_FORMAT_VERSION) -> str:
     h = hashlib.sha256()
-    h.update((model_dir / "config.json").read_bytes())
+    h.update(model_config(model_dir))
     h.update(weights_hash(model_dir).encode())
     h.update(f"dtype={dtype};kv_format={kv_format}".encode())
     return h.hexdigest()
+
+
+def model_config(model_dir: Path) -> bytes:
+    """config.json as hashed: provenance keys dropped, keys sorted."""
+    config = json.loads((model_dir / "config.json").read_text())
+    for key in _PROVENANCE:
+        config.pop(key, None)
+    return json.dumps(config, sort_keys=True).encode()
 
 
 def weights_hash(model_dir: Path) -> str:

