@@ -64,8 +64,9 @@ class KVConfig:
     shared_url: a Redis (or Valkey) URL for the shared KV tier (kv/shared.py): every blob written
       is also stored there, a process that lacks a blob locally pulls it from there, and a delete
       removes it there and from every process's local folder. None: the local folder only.
-    reader_adapter: "auto" | "off" | a folder: the LoRA on the query projections that KV-mode
-      chats read injected facts with (kvmem/reader/adapters.py; `kvmem tune-reader` trains one).
+    reader_adapter: "auto" | "off" | a folder: the reader adapter KV-mode chats read injected
+      facts with: a KV map the connector applies to the facts' KV at injection, a LoRA vLLM runs
+      on the query projections, or both (kvmem/reader/adapters.py; `kvmem tune-reader` trains one).
     """
 
     codec: str = "none"

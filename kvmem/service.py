@@ -455,7 +455,8 @@ class KVMem:
         if len(prompt.token_ids) + max_tokens > self.config.engine.max_model_len:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}")
-        plan = Plan(INJECT, prompt.segments) if mode == "kv" else None
+        # The facts (after the header) go through the reader's KV map when the engine reads with it.
+        plan = Plan(INJECT, prompt.segments, map_from=len(self.prompts.head_ids)) if mode == "kv" else None
         # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
         request = EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs, reader=mode == "kv",
                                 route=user_id)

@@ -189,6 +189,12 @@ def test_chat_answers_each_line_with_the_users_facts_injected(kvmem, monkeypatch
     assert "pending" not in out and "encoded" in out
 
 
+def test_tune_reader_refuses_to_train_nothing(kvmem, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        kvmem("tune-reader", "--no-kv-map")
+    assert "nothing to train: no LoRA targets and no KV map" in str(exit_.value)
+
+
 def test_tune_reader_refuses_a_first_weight_of_zero(kvmem, capsys):
     with pytest.raises(SystemExit) as exit_:
         kvmem("tune-reader", "--first-weight", "0")
@@ -210,7 +216,9 @@ def test_tune_reader_targets_are_checked_and_kept_in_peft_order(capsys):
     from kvmem.reader.cli import tune_config
 
     parse = build_parser().parse_args
-    assert tune_config(parse(["tune-reader"])).targets == ("q_proj",)
+    assert tune_config(parse(["tune-reader"])).targets == ()  # the KV map alone by default
+    assert tune_config(parse(["tune-reader", "--targets", "none"])).targets == ()
+    assert tune_config(parse(["tune-reader", "--targets", "q_proj"])).targets == ("q_proj",)
     assert tune_config(parse(["tune-reader", "--targets", "o_proj,q_proj"])).targets == ("q_proj", "o_proj")
     with pytest.raises(SystemExit) as exit_:
         parse(["tune-reader", "--targets", "q_proj,lm_head"])

@@ -8,8 +8,10 @@ refuses at construction what kvmem cannot serve (support.py).
 
 Everything a worker needs travels in the per-step metadata (plan.ConnectorMeta); configuration
 comes from `kv_connector_extra_config`: kv_dir, fingerprint, codec, hot_cache_mib, shared_url
-(the shared Redis tier, kv/shared.py; absent or null: the local folder only), and is_neox_style
-(only used when the model's own rotary embedding is not found).
+(the shared Redis tier, kv/shared.py; absent or null: the local folder only), reader_adapter
+(the served reader adapter's folder, whose KV map the worker applies to the facts of chats that
+ask for it; absent or null: none), and is_neox_style (only used when the model's own rotary embedding
+is not found).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvmem.engine.scheduler_side import SchedulerSide
 from kvmem.engine.support import refuse_unsupported
 from kvmem.engine.worker_side import WorkerSide
 from kvmem.kv.store import KVStore
+from kvmem.reader import kvmap
 
 log = logging.getLogger("kvmem.connector")
 
@@ -77,7 +80,7 @@ class KvmemConnector(KVConnectorBase_V1):
         self._tier_totals = KvmemStats()  # scheduler: every worker's reports, summed
         self._tier_totals.reset()
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(store, block_size)
+            self._scheduler = SchedulerSide(store, block_size, kv_map=kvmap.load(extra.get("reader_adapter")) is not None)
         else:
             store.worker_attached = True
             self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, extra)
@@ -189,6 +192,7 @@ def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,
         head_size=head_size,
         codec=extra.get("codec", "none"),
         layers=vllm_config.compilation_config.static_forward_context,
+        kv_map=kvmap.load(extra.get("reader_adapter")),
     )
 
 

@@ -33,7 +33,7 @@ from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
-from kvmem.reader.lora import folder_targets, lora_rank
+from kvmem.reader.lora import folder_targets, has_lora, lora_rank
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class EngineResult:
     connector: dict[str, Any] = field(default_factory=dict)  # the connector's accounting
     first_logprobs: dict[int, float] = field(default_factory=dict)
     scored: tuple[float, ...] = ()  # logprob of each of the last `score_last` prompt tokens
-    adapter: bool = False  # vLLM ran it with the reader adapter (its LoRA request)
+    adapter: bool = False  # read with the reader adapter: vLLM ran its LoRA, or the connector its KV map
 
 
 @dataclass
@@ -220,8 +220,9 @@ class Engine:
                 continue
             rid = uuid.uuid4().hex
             try:
-                lora = self._lora if item.request.reader else None
-                self._engine.add_request(rid, _prompt(item.request), _sampling(item.request), lora_request=lora)
+                reading = item.request.reader and self.reader_adapter is not None
+                self._engine.add_request(rid, _prompt(item.request, reading), _sampling(item.request, reading),
+                                         lora_request=self._lora if reading else None)
                 live[rid] = item
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
                 _fail(item.future, e)
@@ -285,7 +286,7 @@ def _fail(future: Future, error: BaseException) -> None:
 
 
 def _lora_request(adapter: Path | None):
-    if adapter is None:
+    if adapter is None or not has_lora(adapter):
         return None
     from vllm.lora.request import LoRARequest
 
@@ -297,12 +298,12 @@ def _start_llm(model: ModelInfo, config: Config, adapter: Path | None):
     from vllm.config import KVTransferConfig
 
     ec = config.engine
-    transfer = KVTransferConfig(**transfer_config(config, model))  # the same settings a replica gets
+    transfer = KVTransferConfig(**transfer_config(config, model, adapter))  # the same settings a replica gets
     # LoRA is switched on only with an adapter: on the CPU backend it also turns graph compilation off.
     # Wrapping only the adapter's own modules keeps LoRA off lm_head, whose LoRA wrapper on vLLM's
     # CPU backend fails on prompt logprobs (scoring) when several requests share a step.
     lora = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": lora_rank(adapter),
-            "lora_target_modules": folder_targets(adapter)} if adapter else {}
+            "lora_target_modules": folder_targets(adapter)} if adapter and has_lora(adapter) else {}
     with _children_skip_main_script():
         return LLM(
             model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
@@ -348,15 +349,19 @@ def _eager(ec) -> bool:
     return current_platform.is_cpu()
 
 
-def _prompt(req: EngineRequest) -> dict:
-    return {"prompt_token_ids": list(req.token_ids), "cache_salt": req.salt}
+def _prompt(req: EngineRequest, reading: bool = False) -> dict:
+    """`reading`: the request reads with the reader adapter. Its KV-mode blocks (KV map applied)
+    must not be shared with requests that read without it, LoRA or not: a salt of their own."""
+    return {"prompt_token_ids": list(req.token_ids), "cache_salt": req.salt + (":reader" if reading else "")}
 
 
-def _sampling(req: EngineRequest):
+def _sampling(req: EngineRequest, reading: bool = False):
+    """vLLM's sampling parameters; `reading`: the request reads with the reader adapter (its LoRA,
+    if it has one), so the connector also sends its facts through the adapter's KV map."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    extra = {"kv_transfer_params": req.plan.to_params()} if req.plan else None
+    extra = {"kv_transfer_params": req.plan.read_with_reader(reading).to_params()} if req.plan else None
     # Scoring keeps the prefix cache (and so injection) on. Prompt positions served from cache get
     # no logprobs: vLLM fills them with placeholder ids that must not be detokenized.
     scoring = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False, "detokenize": False} if req.score_last else {}
@@ -366,6 +371,7 @@ def _sampling(req: EngineRequest):
 
 def _result(out, p: _Pending, done: float) -> EngineResult:
     completion = out.outputs[0]
+    connector = (out.kv_transfer_params or {}).get(KEY, {})
     logprobs = {tok: lp.logprob for tok, lp in completion.logprobs[0].items()} if completion.logprobs else {}
     return EngineResult(
         token_ids=tuple(completion.token_ids),
@@ -374,10 +380,10 @@ def _result(out, p: _Pending, done: float) -> EngineResult:
         latency_s=done - p.submitted,
         prompt_tokens=len(out.prompt_token_ids),
         cached_tokens=out.num_cached_tokens or 0,
-        connector=(out.kv_transfer_params or {}).get(KEY, {}),
+        connector=connector,
         first_logprobs=logprobs,
         scored=_scored(out, p.request) if p.request.score_last else (),
-        adapter=getattr(out, "lora_request", None) is not None,
+        adapter=getattr(out, "lora_request", None) is not None or bool(connector.get("kv_map")),
     )
 
 

@@ -10,7 +10,7 @@ worker side each step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 KEY = "kvmem"
@@ -33,9 +33,20 @@ class Segment:
 class Plan:
     op: str
     segments: tuple[Segment, ...]
+    # Injected tokens at prompt positions >= map_from go through the reader's KV map
+    # (reader/kvmap.py: the facts, not the header before them); None: none does.
+    map_from: int | None = None
+
+    def read_with_reader(self, reading: bool) -> "Plan":
+        """This plan as sent for a request that does (or does not) read with the reader adapter:
+        without it, nothing is mapped."""
+        return self if reading or self.map_from is None else replace(self, map_from=None)
 
     def to_params(self) -> dict[str, Any]:
-        return {KEY: {"op": self.op, "segments": [[s.fact_id, s.start, s.length] for s in self.segments]}}
+        body = {"op": self.op, "segments": [[s.fact_id, s.start, s.length] for s in self.segments]}
+        if self.map_from is not None:
+            body["map_from"] = self.map_from
+        return {KEY: body}
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> "Plan | None":
@@ -49,7 +60,10 @@ class Plan:
         segments = tuple(Segment(str(f), int(s), int(n)) for f, s, n in body.get("segments", []))
         if any(s.start < 0 or s.length <= 0 for s in segments):
             raise ValueError("segments need start >= 0 and length > 0")
-        return cls(op, tuple(sorted(segments, key=lambda s: s.start)))
+        map_from = body.get("map_from")
+        if map_from is not None and (not isinstance(map_from, int) or isinstance(map_from, bool) or map_from < 0):
+            raise ValueError(f"map_from must be None or an int >= 0, got {map_from!r}")
+        return cls(op, tuple(sorted(segments, key=lambda s: s.start)), map_from)
 
 
 # -- scheduler -> worker, once per engine step (pickled across processes) -----------------------
@@ -73,6 +87,7 @@ class LoadJob:
     req_id: str
     block_ids: tuple[int, ...]  # the request's blocks in prompt order, up to the last span's end
     spans: tuple[Span, ...]
+    map_from: int | None = None  # prompt positions from here on go through the reader's KV map (Plan)
 
 
 @dataclass(frozen=True)

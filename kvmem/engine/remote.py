@@ -182,23 +182,28 @@ class RemoteEngine:
         choice = body["choices"][0]
         top = ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0] or {}
         usage = body.get("usage") or {}
+        connector = (body.get("kv_transfer_params") or {}).get(KEY, {})
         self._await_blobs(stamps, done)
         return EngineResult(
             token_ids=tuple(_token_ids(choice)), text=choice.get("text", ""), ttft_s=done - start,
             latency_s=done - start, prompt_tokens=usage.get("prompt_tokens", len(request.token_ids)),
-            cached_tokens=_cached(usage), connector=(body.get("kv_transfer_params") or {}).get(KEY, {}),
+            cached_tokens=_cached(usage), connector=connector,
             first_logprobs={_id(t): lp for t, lp in top.items()} if request.logprobs else {},
-            adapter=bool(request.reader and self.reader_adapter),
+            adapter=bool(request.reader and self.reader_adapter) or bool(connector.get("kv_map")),
         )
 
     def _body(self, request: EngineRequest) -> dict:
         if request.score_last:
             raise EngineError("scoring needs prompt logprobs over cached tokens: use the in-process engine")
-        model = self.reader_adapter if request.reader and self.reader_adapter else self.name
+        # Reading with the reader: the replica's LoRA module where it serves one, and its KV map
+        # (applied by its connector to the facts, where its adapter has one) in a salt of its own.
+        reading = bool(request.reader and self._use_reader)
+        model = self.reader_adapter if reading and self.reader_adapter else self.name
         body = {"model": model, "prompt": list(request.token_ids), "max_tokens": request.max_tokens,
-                "temperature": 0.0, "cache_salt": request.salt, "logprobs": request.logprobs or 0}
+                "temperature": 0.0, "cache_salt": request.salt + (":reader" if reading else ""),
+                "logprobs": request.logprobs or 0}
         if request.plan is not None:
-            body["kv_transfer_params"] = request.plan.to_params()
+            body["kv_transfer_params"] = request.plan.read_with_reader(reading).to_params()
         return body
 
     def _await_blobs(self, stamps: dict, done: float) -> None:

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from kvmem.config import Config
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
-from kvmem.reader.lora import folder_targets, lora_rank
+from kvmem.reader.lora import folder_targets, has_lora, lora_rank
 
 CONNECTOR = "KvmemConnector"
 CONNECTOR_MODULE = "kvmem.engine.connector"
 
 
-def transfer_config(config: Config, model: ModelInfo) -> dict:
-    """vLLM's KVTransferConfig fields for kvmem's connector (kv_both: it loads and saves)."""
+def transfer_config(config: Config, model: ModelInfo, adapter: Path | None = None) -> dict:
+    """vLLM's KVTransferConfig fields for kvmem's connector (kv_both: it loads and saves).
+    `adapter`: the reader adapter served, whose KV map (if it has one) the connector applies."""
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -33,6 +35,7 @@ def transfer_config(config: Config, model: ModelInfo) -> dict:
             "codec": config.kv.codec,
             "hot_cache_mib": config.kv.hot_cache_mib,
             "shared_url": config.kv.shared_url,
+            "reader_adapter": str(adapter) if adapter is not None else None,
         },
     }
 
@@ -58,17 +61,17 @@ def command(config: Config, model: ModelInfo, *, host: str = "127.0.0.1", port: 
     in-process engine finds it) is served as a LoRA module on the query projections only.
     """
     ec = config.engine
+    adapter = adapters.find(config.kv.reader_adapter, config.home, model.fingerprint)
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model.path), "--served-model-name", served_name(model),
            "--host", host, "--port", str(port), "--dtype", model.dtype,
            "--block-size", str(ec.block_size), "--max-model-len", str(ec.max_model_len),
            "--max-num-seqs", str(ec.max_num_seqs), "--gpu-memory-utilization", str(ec.gpu_memory_utilization),
            "--seed", str(ec.seed), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--return-tokens-as-token-ids", "--kv-transfer-config", json.dumps(transfer_config(config, model))]
+           "--return-tokens-as-token-ids", "--kv-transfer-config", json.dumps(transfer_config(config, model, adapter))]
     if ec.load_format != "auto":
         cmd += ["--load-format", ec.load_format]
-    adapter = adapters.find(config.kv.reader_adapter, config.home, model.fingerprint)
-    if adapter is not None:
+    if adapter is not None and has_lora(adapter):
         cmd += ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", str(lora_rank(adapter)),
                 "--lora-target-modules", *folder_targets(adapter), "--lora-modules", f"{reader_name(model)}={adapter}"]
     if ec.enforce_eager or (ec.enforce_eager is None and _cpu_only()):

@@ -29,6 +29,7 @@ class Claim:
 
     segments: list[Segment]
     end: int
+    map_from: int | None  # the plan's (the KV map from this prompt position on)
     fallbacks: dict[str, str]  # fact id -> reason, for every blob of the plan that cannot be used
     facts_as_text: int  # segments served by text prefill because of that blob
     local_hit: int = 0
@@ -46,8 +47,9 @@ class _SaveTracker:
 
 
 class SchedulerSide:
-    def __init__(self, store: KVStore, block_size: int) -> None:
+    def __init__(self, store: KVStore, block_size: int, kv_map: bool = False) -> None:
         self.store = store
+        self.kv_map = kv_map  # the worker sends facts of chats that ask (Plan.map_from) through a KV map
         self.block_size = block_size
         self._claims: dict[str, Claim] = {}
         self._pending_loads: dict[str, LoadJob] = {}
@@ -77,7 +79,7 @@ class SchedulerSide:
         first = claim.end - num_external_tokens
         self._pending_loads[request.request_id] = LoadJob(
             request.request_id, tuple(block_ids[: -(-claim.end // self.block_size)]),
-            _spans(claim.segments, first, claim.end))
+            _spans(claim.segments, first, claim.end), claim.map_from)
 
     def build_meta(self, scheduler_output) -> ConnectorMeta:
         meta = ConnectorMeta(loads=list(self._pending_loads.values()))
@@ -127,6 +129,7 @@ class SchedulerSide:
             "ram_hits": claim.ram_hits,
             "disk_loads": claim.disk_loads,
             "fallbacks": claim.fallbacks,
+            "kv_map": self.kv_map and claim.map_from is not None and claim.map_from < claim.end,
             "held_for_copies": len(self._held),  # encodes whose blocks still wait for the worker
         }}
 
@@ -159,7 +162,8 @@ class SchedulerSide:
             self.fallback_total += as_text
             log.warning("request %s: %d of %d segments served as text (%s); %d fallbacks so far",
                         request.request_id, as_text, len(plan.segments), fallbacks, self.fallback_total)
-        return Claim(usable, min(end, len(prompt) - 1), fallbacks, as_text, ram_hits=ram_hits, disk_loads=disk_loads)
+        return Claim(usable, min(end, len(prompt) - 1), plan.map_from, fallbacks, as_text, ram_hits=ram_hits,
+                     disk_loads=disk_loads)
 
     def _bad_blobs(self, segments, prompt: list[int]) -> dict[str, str]:
         """fact id -> reason for each of these segments whose blob cannot serve its tokens."""

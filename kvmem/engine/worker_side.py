@@ -6,7 +6,8 @@ fills a staging buffer (loads) or receives a finished copy (saves).
 Injection, per step: blob tokens are gathered, in their stored (coded) form, into one reusable
 (pinned) host staging buffer; then, on a side stream and per layer, they are copied to the
 device and decoded, the keys of tokens served away from where they were encoded are moved there
-with the engine's rotary kernel (tokens that stay put are written untouched), both are written
+with the engine's rotary kernel (tokens that stay put are written untouched), the facts of a
+chat read with the reader adapter go through its KV map (reader/kvmap.py), both are written
 with the attention backend's own cache-update op, and an event is recorded. `wait_layer` makes
 the engine's stream wait for that layer's event only, so layer i's copy overlaps layer i-1's compute.
 
@@ -31,17 +32,19 @@ from kvmem.engine.paged import PageLayout, slot_mapping
 from kvmem.engine.plan import ConnectorMeta, LoadJob, SaveJob
 from kvmem.engine.rope import KeyRotator, LayerRotators
 from kvmem.engine.staging import HostStaging, SideStream, synchronize
-from kvmem.errors import BlobError
+from kvmem.errors import AdapterError, BlobError
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.codec import Coded, check_codec, decode_parts, role_codecs
 from kvmem.kv.store import KVStore
+from kvmem.reader.kvmap import KVMap, rotate_half
 
 log = logging.getLogger("kvmem.connector")
 
 
 class WorkerSide:
     def __init__(self, store: KVStore, rotator: KeyRotator | Mapping[str, KeyRotator], block_size: int, num_blocks: int,
-                 num_kv_heads: int, head_size: int, layers: dict, codec: str = "none") -> None:
+                 num_kv_heads: int, head_size: int, layers: dict, codec: str = "none",
+                 kv_map: KVMap | None = None) -> None:
         self.store = store
         self._rotator_of = rotator  # one for every layer, or per layer name
         self.rotator: LayerRotators | None = None  # per layer in cache order, once caches are registered
@@ -60,6 +63,7 @@ class WorkerSide:
         self._writer = BlobWriter(store, self.codec)
         self.failed_block_ids: set[int] = set()
         self.tier_counts = {"ram_hits": 0, "disk_loads": 0}  # this worker's blob loads since last reported
+        self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py); on the device once registered
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
@@ -71,6 +75,9 @@ class WorkerSide:
         self._stream = SideStream(self._caches[0][1].device)
         self._staging = HostStaging(pin=self._stream.is_async)
         self._heads_from_layers(kv_caches)
+        if self._kv_map is not None:
+            self._check_map()
+            self._kv_map = self._kv_map.to(self.device, torch.float32)
 
     def _layer_rotators(self) -> LayerRotators:
         if isinstance(self._rotator_of, KeyRotator):
@@ -118,9 +125,12 @@ class WorkerSide:
         with self._stream:
             slots = staged.slots.to(dev, non_blocking=True)
             moves = staged.moves_to(dev)
+            mapped = None if staged.mapped is None else staged.mapped.to(dev, non_blocking=True)
             for i, (name, cache) in enumerate(self._caches):
                 key = self._layer_keys(i, staged, moves, cache.dtype)  # [N, H, D]
                 value = _decode_layer(staged.value_codec, staged.value, i, dev, cache.dtype)
+                if mapped is not None:
+                    key, value = self._mapped(i, key, value, mapped)
                 layer = self._layers[name]
                 layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
                 self._layer_events[name] = self._stream.record()
@@ -141,6 +151,26 @@ class WorkerSide:
         key = key.to(dtype, copy=True)
         key[index] = moving.to(dtype)
         return key
+
+    def _check_map(self) -> None:
+        """The map's complex multiply commutes with RoPE only for full, neox-style rotation."""
+        self._kv_map.check_shape(len(self._caches), self.num_kv_heads, self.head_size)
+        for rot in self.rotator.per_layer:
+            if not rot.is_neox_style or rot.rotary_dim != self.head_size:
+                raise AdapterError("the reader's KV map needs full neox-style rotary embeddings, this model has "
+                                   f"rotary_dim {rot.rotary_dim} of {self.head_size}, neox {rot.is_neox_style}")
+
+    def _mapped(self, i: int, key: torch.Tensor, value: torch.Tensor, mapped: torch.Tensor):
+        """Layer i's key, value [N, H, D] through the reader's KV map where mapped [N] is True,
+        in float32. Out of place: key and value may be the staging buffer itself."""
+        m = self._kv_map
+        where = mapped.view(-1, 1, 1)  # [N, 1, 1]
+        k = key.to(torch.float32)
+        a, b = (torch.cat((t[i], t[i]), dim=-1) for t in (m.key_a, m.key_b))  # [H, D]: one factor per pair
+        k = torch.where(where, a * k + b * rotate_half(k), k)
+        v = value.to(torch.float32)
+        v = torch.where(where, m.value_scale[i] * v + m.value_shift[i], v)
+        return k.to(key.dtype), v.to(value.dtype)
 
     def _stage(self, jobs: list[LoadJob]) -> "_Staged":
         """Blob tokens of all spans, one after another, in the host staging buffer, as stored."""
@@ -175,7 +205,8 @@ class WorkerSide:
         by_role = {"keys": {}, "values": {}}
         for (role, name), buf in zip(names, parts):
             by_role[role][name] = buf
-        return _Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions)
+        mapped = _mapped_tokens(jobs, positions) if self._kv_map is not None else None
+        return _Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions, mapped)
 
     def wait_layer(self, layer_name: str) -> None:
         """Called before a layer's attention: its injected K/V must be in the cache by then."""
@@ -255,13 +286,14 @@ class _Staged:
     """One step's injection in the host staging buffer: coded parts [L, N, ...] per role."""
 
     def __init__(self, codec: str, slots: torch.Tensor, key: dict, value: dict, src: torch.Tensor,
-                 dst: torch.Tensor) -> None:
+                 dst: torch.Tensor, mapped: torch.Tensor | None = None) -> None:
         self.key_codec, self.value_codec = role_codecs(codec)
         self.slots = slots  # [N] cache slots
         self.key = key  # part name -> [L, N, ...]
         self.value = value
         self.src = src  # [N] position each key was cached at when encoded (-1: stored pre-RoPE)
         self.dst = dst  # [N] serving position
+        self.mapped = mapped  # [N] bool: tokens that go through the reader's KV map; None when none does
 
     def moves_to(self, device: torch.device):
         """None when no key moves; else (index of moving tokens or None for all [M], src [M], dst [M])."""
@@ -313,6 +345,16 @@ def _token_map(jobs: list[LoadJob] | list[SaveJob], block_size: int) -> tuple[to
         positions.append(p)
         slots.append(slot_mapping(job.block_ids, p, block_size))
     return torch.cat(positions), torch.cat(slots)
+
+
+def _mapped_tokens(jobs: list[LoadJob], positions: torch.Tensor) -> torch.Tensor | None:
+    """[N] bool over the jobs' tokens (as _token_map orders them): at or after their job's
+    map_from. None when no token is."""
+    never = positions.max().item() + 1 if len(positions) else 0
+    bounds = torch.cat([torch.full((sum(s.length for s in job.spans),),
+                                   never if job.map_from is None else job.map_from) for job in jobs])
+    mapped = positions >= bounds
+    return mapped if bool(mapped.any()) else None
 
 
 def _blocks_of(jobs: list[LoadJob], block_size: int) -> set[int]:

@@ -14,7 +14,8 @@ import logging
 from pathlib import Path
 
 from kvmem.errors import AdapterError
-from kvmem.reader.lora import folder_targets, read_meta
+from kvmem.reader import kvmap
+from kvmem.reader.lora import folder_targets, has_lora, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -22,13 +23,18 @@ SHIPPED = Path(__file__).parent / "shipped"
 
 
 def identity(folder: Path) -> str:
-    """A short digest of an adapter's weights: two adapters for one model differ here."""
+    """A short digest of an adapter's weights (LoRA and KV map): two adapters for one model differ
+    here. A LoRA-only adapter keeps the digest it had before KV maps existed."""
     import hashlib
 
     digest = hashlib.sha256()
-    with open(Path(folder) / "adapter_model.safetensors", "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for name in ("adapter_model.safetensors", kvmap.FILE):
+        path = Path(folder) / name
+        if not path.exists():
+            continue
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()[:12]
 
 
@@ -57,7 +63,9 @@ def find(setting: str, home: Path, fingerprint: str) -> Path | None:
 def _checked(folder: Path, fingerprint: str) -> Path | None:
     try:
         meta = read_meta(folder)
-        folder_targets(folder)
+        if has_lora(folder):
+            folder_targets(folder)
+        kvmap.load(folder)  # a malformed KV map refuses the whole adapter
     except AdapterError as e:
         log.warning("reader adapter refused, plain KV mode: %s", e)
         return None

@@ -30,6 +30,8 @@ def _positive_float(text: str) -> float:
 
 
 def _targets(text: str) -> tuple[str, ...]:
+    if text.strip() == "none":
+        return ()
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     unknown = [t for t in names if t not in TARGETS]
     if not names or unknown:
@@ -38,7 +40,7 @@ def _targets(text: str) -> tuple[str, ...]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("tune-reader", help="train the reader adapter (LoRA, on q_proj by default) by distilling text prefill",
+    p = sub.add_parser("tune-reader", help="train the reader adapter (a KV map of the injected facts, optionally a LoRA) by distilling text prefill",
                        description=__doc__)
     p.add_argument("--data", type=Path, default=locomo.DEFAULT_PATH, help="LoCoMo JSON (read by path, never copied)")
     p.add_argument("--conversations", type=_ids, default=TUNE_CONVERSATIONS,
@@ -56,12 +58,16 @@ def add_parser(sub) -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=_positive_float, default=None,
                    help="LoRA alpha; the update is scaled by alpha / rank (default: 2 x rank, the scale of the shipped adapter)")
-    p.add_argument("--targets", type=_targets, default=("q_proj",), metavar="NAMES",
-                   help="comma-separated linear layers to adapt, among " + ",".join(TARGETS) + " (default: q_proj)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--targets", type=_targets, default=(), metavar="NAMES",
+                   help="comma-separated linear layers a LoRA adapts, among " + ",".join(TARGETS) +
+                        ", or 'none' (default: none: the KV map alone, which costs the engine no compute per token)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of the LoRA (default: 1e-3)")
     p.add_argument("--reply-tokens", type=int, default=16, help="teacher reply length distilled (default: 16)")
     p.add_argument("--first-weight", type=_positive_float, default=1.0,
                    help="weight of the reply's first token in the loss, the others 1 (default: 1)")
+    p.add_argument("--no-kv-map", dest="kv_map", action="store_false",
+                   help="train the LoRA alone, without the KV map of the injected facts (needs --targets)")
+    p.add_argument("--map-lr", type=_positive_float, default=3e-3, help="learning rate of the KV map (default: 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
                    help="adapter folder (default: <home>/adapters/<model fingerprint>, which serving picks up)")
@@ -75,11 +81,11 @@ def tune_config(args: argparse.Namespace):
 
     return TuneConfig(rank=args.rank, alpha=args.alpha or 2.0 * args.rank, lr=args.lr, epochs=args.epochs,
                       reply_tokens=args.reply_tokens, seed=args.seed, first_weight=args.first_weight,
-                      targets=args.targets)
+                      targets=args.targets, kv_map=args.kv_map, map_lr=args.map_lr)
 
 
 def cmd_tune_reader(args: argparse.Namespace, config) -> int:
-    from kvmem.reader import adapters, lora
+    from kvmem.reader import adapters, kvmap, lora
     from kvmem.reader.examples import locomo_examples
     from kvmem.reader.train import eos_ids, evaluate, load_model, tune
     from kvmem.service import KVMem
@@ -87,7 +93,10 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     overlap = set(args.conversations) & set(args.eval_conversations)
     if overlap:
         raise SystemExit(f"kvmem tune-reader: {sorted(overlap)} would be trained on and evaluated on")
-    cfg = tune_config(args)
+    try:
+        cfg = tune_config(args)
+    except ValueError as e:
+        raise SystemExit(f"kvmem tune-reader: {e}") from e
     with KVMem(config, start_engine=False, background=False) as mem:
         train = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, limit=args.limit or None,
                                                  seed=args.seed)]
@@ -113,7 +122,7 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
         wrapped = [(n, m) for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
         result["eval_conversations"] = list(args.eval_conversations)
         result["eval_examples"] = len(held)
-        result["eval"] = evaluate(model, wrapped, held, eos, args.reply_tokens)
+        result["eval"] = evaluate(model, wrapped, held, eos, args.reply_tokens, kv_map=kvmap.load(out))
         for name, row in result["eval"].items():
             print(f"{name:12s} " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()))
     path = args.results or Path("docs/results/reader.json")

@@ -5,8 +5,10 @@ KV-mode chat computes (the tail and the reply): the facts' keys and values stay 
 stored without it, which is what lets one set of blobs serve chats with and without it.
 
 Files in an adapter folder: adapter_config.json and adapter_model.safetensors (PEFT's names,
-what vLLM's LoRA loader reads), and kvmem.json (the model fingerprint it was trained for, and
-how it was trained).
+what vLLM's LoRA loader reads), kvmem.json (the model fingerprint it was trained for, and
+how it was trained), and kv_map.safetensors (reader/kvmap.py: applied by kvmem's connector at
+injection, not by vLLM). An adapter has a LoRA, a KV map, or both; without a LoRA its folder has
+no PEFT files and vLLM runs no LoRA for it.
 """
 
 from __future__ import annotations
@@ -97,13 +99,37 @@ def disabled(wrapped: list[tuple[str, LoRALinear]]):
             m.enabled = True
 
 
-def save(wrapped, folder: Path, *, rank: int, alpha: float, base_model: str, meta: dict) -> None:
-    """PEFT layout; written to a temporary folder and renamed, so a crash leaves no half adapter."""
-    from safetensors.torch import save_file
+def save(wrapped, folder: Path, *, rank: int, alpha: float, base_model: str, meta: dict, kv_map=None) -> None:
+    """PEFT layout for the LoRA in `wrapped` (none when it is empty) and the KV map when given
+    (reader/kvmap.py); written to a temporary folder and renamed, so a crash leaves no half adapter."""
+    from kvmem.reader import kvmap
 
     folder = Path(folder)
+    if not wrapped and kv_map is None:
+        raise AdapterError("an adapter needs a LoRA, a KV map or both")
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
+    for stale in tmp.iterdir():  # left by an earlier crash
+        stale.unlink()
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    if kv_map is not None:
+        kvmap.save(tmp, kv_map)
+    if wrapped:
+        _save_peft(wrapped, tmp, rank, alpha, base_model)
+    if folder.exists():
+        old = folder.with_name(folder.name + ".old")
+        folder.rename(old)
+        tmp.rename(folder)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        tmp.rename(folder)
+
+
+def _save_peft(wrapped, tmp: Path, rank: int, alpha: float, base_model: str) -> None:
+    from safetensors.torch import save_file
+
     tensors = {}
     for name, m in wrapped:
         tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().contiguous().clone()
@@ -114,16 +140,6 @@ def save(wrapped, folder: Path, *, rank: int, alpha: float, base_model: str, met
               "base_model_name_or_path": base_model, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
-    (tmp / META).write_text(json.dumps(meta, indent=1))
-    if folder.exists():
-        old = folder.with_name(folder.name + ".old")
-        folder.rename(old)
-        tmp.rename(folder)
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
-    else:
-        tmp.rename(folder)
 
 
 def load_into(wrapped, folder: Path) -> None:
@@ -142,10 +158,22 @@ def lora_rank(folder: Path) -> int:
     return next(v for v in (8, 16, 32, 64, 128, 256, 320, 512) if v >= r)
 
 
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def has_lora(folder: Path) -> bool:
+    """Whether an adapter folder holds a LoRA (PEFT files), which vLLM must then run."""
+    return any((Path(folder) / name).exists() for name in PEFT_FILES)
+
+
 def read_meta(folder: Path) -> dict:
-    """kvmem.json of an adapter folder; AdapterError when it is not a complete adapter."""
+    """kvmem.json of an adapter folder; AdapterError when it is not a complete adapter (no
+    kvmem.json, half a LoRA, or neither a LoRA nor a KV map)."""
+    from kvmem.reader.kvmap import FILE as KV_MAP
+
     folder = Path(folder)
-    for name in ("adapter_config.json", "adapter_model.safetensors", META):
+    needed = (META, *PEFT_FILES) if has_lora(folder) or not (folder / KV_MAP).is_file() else (META,)
+    for name in needed:
         if not (folder / name).is_file():
             raise AdapterError(f"{folder} is not a reader adapter: {name} is missing")
     try:

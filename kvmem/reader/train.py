@@ -1,9 +1,11 @@
-"""`kvmem tune-reader`: distil text prefill into the reader of KV-mode chats, through a LoRA on q_proj.
+"""`kvmem tune-reader`: distil text prefill into the reader of KV-mode chats, through a map of the
+injected facts' keys and values (reader/kvmap.py) and, when asked, a LoRA on the query projections.
 
 Teacher: the base model prefilling [head][facts][tail] as text, and its greedy reply.
 Student: the same model reading the facts' KV exactly as kvmem serves it (each fact encoded on
 its own after the head, keys moved to its serving position; encoded without the adapter, as
-the engine encodes), computing the tail and the reply with the adapter on its query projections.
+the engine encodes), the facts' KV mapped by the KV map, computing the tail and the reply (with the LoRA on its
+query projections, when there is one).
 Loss: KL(teacher || student) over the reply's next-token distributions. No labels are needed.
 
 Work is kept in `<out>.work/`: the teacher's targets (computed once, in chunks) and a training
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvmem.reader import lora
+from kvmem.reader import kvmap, lora
 from kvmem.reader.lab import Example, FactKV, memory_cache, reply_logits, teacher_reply
 from kvmem.reader.measure import kl_per_token
 
@@ -41,11 +43,17 @@ class TuneConfig:
     seed: int = 0
     checkpoint_every: int = 50  # steps
     first_weight: float = 1.0  # the reply's first token counts this many times in the loss
-    targets: tuple[str, ...] = (lora.TARGET,)  # the reader's linear layers the adapter wraps
+    targets: tuple[str, ...] = ()  # the linear layers a LoRA wraps (q_proj...); () for no LoRA
+    kv_map: bool = True  # train the KV map of the injected facts (reader/kvmap.py)
+    map_lr: float = 3e-3  # its learning rate
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.epochs < 1 or self.reply_tokens < 1 or self.lr <= 0 or self.checkpoint_every < 1:
             raise ValueError("rank, epochs, reply_tokens and checkpoint_every must be >= 1 and lr > 0")
+        if not self.map_lr > 0:
+            raise ValueError(f"map_lr must be > 0, got {self.map_lr!r}")
+        if not self.targets and not self.kv_map:
+            raise ValueError("nothing to train: no LoRA targets and no KV map")
         if not self.first_weight > 0:
             raise ValueError(f"first_weight must be > 0, got {self.first_weight!r}")
         if not self.alpha > 0:
@@ -101,12 +109,17 @@ def tune(model, examples: list[Example], eos: set[int], out: Path, cfg: TuneConf
         raise ValueError("no training examples")
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    wrapped = lora.attach(model, cfg.rank, cfg.alpha, cfg.targets)
+    for p in model.parameters():  # the base model stays frozen (attach freezes it too)
+        p.requires_grad_(False)
+    wrapped = lora.attach(model, cfg.rank, cfg.alpha, cfg.targets) if cfg.targets else []
     work = _work_dir(out, examples, cfg)
     targets = teacher_targets(model, wrapped, examples, eos, cfg.reply_tokens, work, progress)
     params = [p for _, m in wrapped for p in (m.lora_A, m.lora_B)]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    step, losses = _resume(work, wrapped, opt)
+    kv = _trainable_map(model) if cfg.kv_map else None
+    groups = ([{"params": params, "lr": cfg.lr}] if params else []) + \
+        ([{"params": list(kv.tensors()), "lr": cfg.map_lr}] if kv else [])
+    opt = torch.optim.AdamW(groups, weight_decay=0.0)
+    step, losses = _resume(work, wrapped, opt, kv)
     facts = FactKV()
     total = cfg.epochs * len(examples)
     with tqdm(total=total, initial=step, desc="tuning reader", unit="step", disable=not progress) as bar:
@@ -115,14 +128,15 @@ def tune(model, examples: list[Example], eos: set[int], out: Path, cfg: TuneConf
             order = list(range(len(examples)))
             random.Random(cfg.seed + epoch).shuffle(order)  # a fixed order per epoch: resuming replays it
             n = order[i]
-            losses.append(_step(model, wrapped, opt, examples[n], targets[n], facts, cfg.first_weight))
+            losses.append(_step(model, wrapped, opt, examples[n], targets[n], facts, cfg.first_weight, kv))
             step += 1
             bar.update()
             bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
             if step % cfg.checkpoint_every == 0:
-                _checkpoint(work, wrapped, opt, step, losses)
+                _checkpoint(work, wrapped, opt, step, losses, kv)
     lora.save(wrapped, out, rank=cfg.rank, alpha=cfg.alpha, base_model=meta.get("model", ""),
-              meta={**meta, "tune": asdict(cfg), "examples": len(examples), "steps": step, "losses": losses})
+              meta={**meta, "tune": asdict(cfg), "examples": len(examples), "steps": step, "losses": losses},
+              kv_map=kv)
     for f in work.iterdir():
         f.unlink()
     work.rmdir()
@@ -149,8 +163,9 @@ def _work_dir(out: Path, examples: list[Example], cfg: TuneConfig) -> Path:
 
 @torch.no_grad()
 def evaluate(model, wrapped, examples: list[Example], eos: set[int], reply_tokens: int = 16,
-             progress: bool = True) -> dict[str, dict[str, float]]:
-    """KV mode without and with the adapter, each against text prefill (see measure.compare)."""
+             progress: bool = True, kv_map: kvmap.KVMap | None = None) -> dict[str, dict[str, float]]:
+    """KV mode without and with the adapter (its LoRA, if `wrapped` has one, and its KV map, if
+    given), each against text prefill (see measure.compare)."""
     from kvmem.reader.measure import compare, summarize
 
     rows: dict[str, list] = {"kv": [], "kv+adapter": []}
@@ -160,6 +175,8 @@ def evaluate(model, wrapped, examples: list[Example], eos: set[int], reply_token
             reply, teacher = teacher_reply(model, ex, reply_tokens, eos)
             layers = memory_cache(model, ex, facts=facts)
             rows["kv"].append(compare(teacher, reply_logits(model, ex, reply, layers)))
+        if kv_map is not None:
+            layers = kvmap.apply(layers, len(ex.head), len(ex.memory_ids), kv_map)
         rows["kv+adapter"].append(compare(teacher, reply_logits(model, ex, reply, layers)))
     return {name: summarize(r) for name, r in rows.items()}
 
@@ -173,10 +190,20 @@ def reply_loss(kl: torch.Tensor, first_weight: float = 1.0) -> torch.Tensor:
     return (kl * weights).sum() / weights.sum()
 
 
-def _step(model, wrapped, opt, ex: Example, target, facts: FactKV, first_weight: float = 1.0) -> float:
+def _trainable_map(model) -> kvmap.KVMap:
+    """A KV map for this model that changes nothing yet, its tensors trainable."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return kvmap.KVMap.identity(c.num_hidden_layers, c.num_key_value_heads, head_dim, requires_grad=True)
+
+
+def _step(model, wrapped, opt, ex: Example, target, facts: FactKV, first_weight: float = 1.0,
+          kv: kvmap.KVMap | None = None) -> float:
     reply, teacher = target
     with torch.no_grad(), lora.disabled(wrapped):
         layers = memory_cache(model, ex, facts=facts)  # the engine encodes facts without the adapter
+    if kv is not None:  # the head stays as computed: only the facts' KV is mapped at injection
+        layers = kvmap.apply(layers, len(ex.head), len(ex.memory_ids), kv)
     loss = reply_loss(kl_per_token(teacher, reply_logits(model, ex, reply, layers)), first_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -184,14 +211,15 @@ def _step(model, wrapped, opt, ex: Example, target, facts: FactKV, first_weight:
     return loss.item()
 
 
-def _checkpoint(work: Path, wrapped, opt, step: int, losses: list[float]) -> None:
+def _checkpoint(work: Path, wrapped, opt, step: int, losses: list[float], kv=None) -> None:
     state = {"step": step, "losses": losses, "opt": opt.state_dict(),
-             "lora": {name: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for name, m in wrapped}}
+             "lora": {name: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for name, m in wrapped},
+             "kv_map": tuple(t.detach().clone() for t in kv.tensors()) if kv else None}
     torch.save(state, work / "state.tmp")
     (work / "state.tmp").rename(work / "state.pt")
 
 
-def _resume(work: Path, wrapped, opt) -> tuple[int, list[float]]:
+def _resume(work: Path, wrapped, opt, kv=None) -> tuple[int, list[float]]:
     path = work / "state.pt"
     if not path.exists():
         return 0, []
@@ -201,6 +229,8 @@ def _resume(work: Path, wrapped, opt) -> tuple[int, list[float]]:
             a, b = state["lora"][name]
             m.lora_A.copy_(a)
             m.lora_B.copy_(b)
+        for t, saved in zip(kv.tensors() if kv else (), state.get("kv_map") or ()):
+            t.copy_(saved)
     opt.load_state_dict(state["opt"])
     log.info("resuming reader tuning at step %d", state["step"])
     return state["step"], list(state["losses"])

@@ -64,12 +64,12 @@ def test_calibrated_gather_runs_on_the_cache_device(model_dir):
     assert torch.equal(to_host(got_k), key) and torch.equal(to_host(got_v), value)
 
 
-def worker(tmp_path, rope, model_dir, codec="none"):
+def worker(tmp_path, rope, model_dir, codec="none", kv_map=None):
     from kvmem.engine.worker_side import WorkerSide
 
     layer = cpu_attention_layer(str(model_dir), BS, DIM)
     return WorkerSide(KVStore(tmp_path, FP), KeyRotator(rope), BS, BLOCKS, HEADS, DIM,
-                      {name: layer for name in NAMES}, codec=codec)
+                      {name: layer for name in NAMES}, codec=codec, kv_map=kv_map)
 
 
 def test_encode_then_inject_on_the_device_round_trips(tmp_path, rope, model_dir):
@@ -122,7 +122,7 @@ def test_a_failed_injection_reports_blocks_instead_of_raising(tmp_path, rope, mo
     assert side.failed_block_ids == {1, 3}
 
 
-def _inject(side, spans_blobs, srv_blocks):
+def _inject(side, spans_blobs, srv_blocks, map_from=None):
     """Put blobs in the store, inject them as one step's spans; -> the cache's K, V at those slots."""
     from kvmem.engine.paged import slot_mapping
     from kvmem.engine.plan import ConnectorMeta, LoadJob
@@ -130,7 +130,7 @@ def _inject(side, spans_blobs, srv_blocks):
     for blob in spans_blobs.values():
         side.store.put(blob) if blob.key_position is not None else _put_format1(side.store, blob)
     spans = tuple(spans_blobs)
-    side.load(ConnectorMeta(loads=[LoadJob("srv", srv_blocks, spans)]))
+    side.load(ConnectorMeta(loads=[LoadJob("srv", srv_blocks, spans, map_from)]))
     for name in NAMES:
         side.wait_layer(name)
     assert not side.failed_block_ids
@@ -170,6 +170,50 @@ def test_a_fact_served_where_it_was_encoded_is_bit_exact_beside_one_that_moves(t
     rotator.move(moved, torch.arange(40, 52), torch.arange(10, 22))
     assert torch.equal(got_k[:, 10:], moved.to(torch.bfloat16))
     assert torch.equal(got_v, torch.cat((v_stay, v_move), dim=1))
+
+
+def test_the_readers_kv_map_reaches_the_facts_and_never_the_header(tmp_path, rope, model_dir):
+    """Oracle: with a KV map, a chat that asks for it (map_from) gets each fact token's key and
+    value through the map, after the move; the header before map_from, and a chat that does not
+    ask, get exactly what they get without a map."""
+    from kvmem.engine.plan import Span
+    from kvmem.kv.blob import KVBlob
+    from kvmem.reader.kvmap import rotate_half
+    from tests.reader.test_kvmap import random_map
+
+    kv_map = random_map(LAYERS, HEADS, DIM)
+    rotator = KeyRotator(rope)
+    _, k_head, v_head = _cached(6, 10, 0, rotator)
+    _, k_fact, v_fact = _cached(7, 12, 40, rotator)
+    blobs = {Span("head", 0, 10): KVBlob("head", FP, tuple(range(10)), k_head, v_head, 0),
+             Span("fact", 10, 12): KVBlob("fact", FP, tuple(range(12)), k_fact, v_fact, 40)}
+    got = {}
+    for name, with_map, map_from in (("plain", None, None), ("mapped", kv_map, 10), ("not asked", kv_map, None)):
+        side = worker(tmp_path / name, rope, model_dir, kv_map=with_map)
+        with SimulatedDevice():
+            side.register_kv_caches({n: to_device(empty_cache()) for n in NAMES})
+            got[name] = _inject(side, blobs, (0,), map_from)
+    plain_k, plain_v = got["plain"]
+    assert all(torch.equal(a, b) for a, b in zip(got["not asked"], got["plain"]))
+    k, v = got["mapped"]
+    assert torch.equal(k[:, :10], plain_k[:, :10]) and torch.equal(v[:, :10], plain_v[:, :10])
+    moved = k_fact.float().contiguous()
+    rotator.move(moved, torch.arange(40, 52), torch.arange(10, 22))
+    moved = moved.to(torch.bfloat16).float()  # [L, N, H, D]
+    a, b = (torch.cat((t, t), dim=-1)[:, None] for t in (kv_map.key_a, kv_map.key_b))  # [L, 1, H, D]
+    assert torch.equal(k[:, 10:], (a * moved + b * rotate_half(moved)).to(torch.bfloat16))
+    scale, shift = kv_map.value_scale[:, None], kv_map.value_shift[:, None]
+    assert torch.equal(v[:, 10:], (scale * v_fact.float() + shift).to(torch.bfloat16))
+    assert not torch.equal(k[:, 10:], plain_k[:, 10:])
+
+
+def test_a_kv_map_for_another_shape_is_refused_at_start(tmp_path, rope, model_dir):
+    from kvmem.errors import AdapterError
+    from tests.reader.test_kvmap import random_map
+
+    side = worker(tmp_path, rope, model_dir, kv_map=random_map(LAYERS, HEADS + 1, DIM))
+    with SimulatedDevice(), pytest.raises(AdapterError, match="kv_heads"):
+        side.register_kv_caches({n: to_device(empty_cache()) for n in NAMES})
 
 
 def test_format_1_blobs_inject_beside_format_2_ones(tmp_path, rope, model_dir):

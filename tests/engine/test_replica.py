@@ -25,6 +25,7 @@ from kvmem.engine import replica
 from kvmem.engine.llm import EngineRequest
 from kvmem.errors import EngineError
 from kvmem.model import resolve_model
+from kvmem.reader import adapters, lora
 
 START_S = 600  # a cold CPU start imports vLLM and loads the model: ~1 minute here, more on CI
 
@@ -163,13 +164,15 @@ def test_kv_chats_through_the_replica_read_with_its_reader_adapter_text_chats_ne
     user = f"u-{uuid.uuid4().hex[:8]}"
     question = "What is my dog called?"
     with KVMem(dataclasses.replace(config, kv=KVConfig(reader_adapter="auto")), background=False) as mem:
-        assert mem.engine.reader_adapter == replica.reader_name(mem.model)
+        shipped = adapters.find("auto", config.home, mem.model.fingerprint)
+        # A LoRA is served as a LoRA module; a KV map alone is applied by the replica's connector.
+        assert mem.engine.reader_adapter == (replica.reader_name(mem.model) if lora.has_lora(shipped) else None)
         ids = list(mem.add(facts=["My dog is called Biscuit and loves carrots."], user_id=user).ids)
         read = mem.chat(question, user_id=user, fact_ids=ids, mode="kv", max_tokens=2, logprobs=5)
         text = mem.chat(question, user_id=user, fact_ids=ids, mode="text", max_tokens=2, logprobs=5)
     plain = remote_mem.chat(question, user_id=user, fact_ids=ids, mode="kv", max_tokens=2, logprobs=5)
     assert read.reader_adapter and not text.reader_adapter and not plain.reader_adapter
     assert remote_mem.engine.reader_adapter is None  # reader_adapter off: never asked for
-    # The replica applied the LoRA to the KV chat alone: plain KV matches text, the read one moves.
+    # The replica read the KV chat alone with its adapter: plain KV matches text, the read one moves.
     assert max(abs(plain.first_logprobs[t] - text.first_logprobs[t]) for t in plain.first_logprobs) < 1e-3
     assert read.first_logprobs != plain.first_logprobs

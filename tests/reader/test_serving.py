@@ -8,6 +8,7 @@ import torch
 from kvmem.config import Config, default_home
 from kvmem.engine.plan import ENCODE
 from kvmem.reader import adapters, lora
+from tests.reader.test_kvmap import random_map
 
 FACTS = ["My sister adopted a puppy named Bruno.", "I live in Lisbon near the river.",
          "I play the cello every Sunday morning."]
@@ -27,8 +28,10 @@ def reader_mem(model_dir, tmp_path_factory):
     with torch.no_grad():
         for _, m in wrapped:
             m.lora_B.normal_(0, 0.3)  # an adapter that visibly changes the reader (shifts of ~1 nat)
+    c = model.config
+    kv_map = random_map(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, spread=0.1)
     lora.save(wrapped, adapters.user_folder(home, info.fingerprint), rank=8, alpha=16.0, base_model=str(model_dir),
-              meta={"fingerprint": info.fingerprint})
+              meta={"fingerprint": info.fingerprint}, kv_map=kv_map)  # a LoRA and a KV map, both visible
     mem = KVMem(Config(home=home, models_home=default_home() / "models"), background=False)
     yield mem
     mem.close()
@@ -81,9 +84,11 @@ def test_scoring_several_kv_chats_at_once_with_the_adapter(reader_mem):
 
 
 def test_the_engine_reads_with_the_adapter_as_the_lab_does(reader_mem, model_dir):
-    """Oracle: the first-token shift the adapter causes in vLLM (bf16, LoRA request, injected KV)
-    against the same shift in the PyTorch lab (fp32, reader/lab.py) on the same chat. A LoRA
-    scaled or placed differently by vLLM (alpha, rank, other projections) would change the slope."""
+    """Oracle: the first-token shift the adapter causes in vLLM (bf16, LoRA request, KV map
+    applied by the connector) against the same shift in the PyTorch lab (fp32, reader/lab.py) on
+    the same chat. A LoRA scaled or placed differently by vLLM (alpha, rank, other projections),
+    or a KV map applied to other tokens, heads or dimensions, would change the slope."""
+    from kvmem.reader import kvmap
     from kvmem.reader.examples import from_records
     from kvmem.reader.lab import memory_cache, reply_logits
     from kvmem.reader.train import load_model
@@ -101,10 +106,66 @@ def test_the_engine_reads_with_the_adapter_as_the_lab_does(reader_mem, model_dir
         with lora.disabled(wrapped):
             layers = memory_cache(model, ex)
             lab_plain = reply_logits(model, ex, (0,), layers)[0].log_softmax(-1)
-        lab_kv = reply_logits(model, ex, (0,), layers)[0].log_softmax(-1)
+        mapped = kvmap.apply(layers, len(ex.head), len(ex.memory_ids), kvmap.load(mem.engine.reader_adapter))
+        lab_kv = reply_logits(model, ex, (0,), mapped)[0].log_softmax(-1)
+        lab_lora_only = reply_logits(model, ex, (0,), layers)[0].log_softmax(-1)
     shared = sorted(set(kv.first_logprobs) & set(plain.first_logprobs))
     engine = torch.tensor([kv.first_logprobs[t] - plain.first_logprobs[t] for t in shared])
     lab = (lab_kv - lab_plain)[shared].double()
     slope = float(engine.double() @ lab / (lab @ lab))
     assert len(shared) >= 10 and lab.abs().max() > 0.5  # the adapter moves the reader well past bf16 noise
     assert torch.corrcoef(torch.stack([engine.double(), lab]))[0, 1] > 0.95 and 0.85 < slope < 1.15  # 0.99, 1.00
+    # The map is part of what the engine did: the lab's LoRA alone explains it worse.
+    lora_only = (lab_lora_only - lab_plain)[shared].double()
+    assert (engine.double() - lab).norm() < 0.5 * (engine.double() - lora_only).norm()
+
+
+@pytest.fixture(scope="module")
+def map_only_mem(model_dir, tmp_path_factory):
+    """An adapter with a KV map and no LoRA: vLLM runs no LoRA, the connector maps the facts."""
+    from kvmem.model import resolve_model
+    from kvmem.reader.train import load_model
+    from kvmem.service import KVMem
+
+    home = tmp_path_factory.mktemp("map-home")
+    info = resolve_model(None, default_home() / "models")
+    c = load_model(model_dir).config
+    kv_map = random_map(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                        seed=1, spread=0.1)
+    lora.save([], adapters.user_folder(home, info.fingerprint), rank=8, alpha=16.0, base_model=str(model_dir),
+              meta={"fingerprint": info.fingerprint}, kv_map=kv_map)
+    mem = KVMem(Config(home=home, models_home=default_home() / "models"), background=False)
+    yield mem
+    mem.close()
+
+
+def test_a_map_only_adapter_maps_kv_chats_alone_as_the_lab_does(map_only_mem, model_dir):
+    from kvmem.reader import kvmap
+    from kvmem.reader.examples import from_records
+    from kvmem.reader.lab import memory_cache, reply_logits
+    from kvmem.reader.train import load_model
+
+    mem = map_only_mem
+    assert mem.engine.reader_adapter is not None and not lora.has_lora(mem.engine.reader_adapter)
+    ids = list(mem.add(facts=FACTS, user_id="map").ids)
+    q = "Tell me about my family."
+    kv = mem.chat(q, user_id="map", fact_ids=ids, mode="kv", max_tokens=1, logprobs=20)
+    plain = mem.chat(q, user_id="map", fact_ids=ids, mode="kv", max_tokens=1, logprobs=20, reader=False)
+    text = mem.chat(q, user_id="map", fact_ids=ids, mode="text", max_tokens=1, logprobs=20)
+    # What the connector reports: it mapped the KV chat's facts, and nothing else.
+    assert (kv.reader_adapter, plain.reader_adapter, text.reader_adapter) == (True, False, False)
+    again = mem.chat(q, user_id="map", fact_ids=ids, mode="kv", max_tokens=1, logprobs=20)
+    assert again.first_logprobs == kv.first_logprobs  # served from the prefix cache under its own salt
+    model = load_model(model_dir)
+    ex = from_records(mem.prompts, [mem.get(i) for i in ids], [{"role": "user", "content": q}])
+    with torch.no_grad():
+        layers = memory_cache(model, ex)
+        lab_plain = reply_logits(model, ex, (0,), layers)[0].log_softmax(-1)
+        mapped = kvmap.apply(layers, len(ex.head), len(ex.memory_ids), kvmap.load(mem.engine.reader_adapter))
+        lab_kv = reply_logits(model, ex, (0,), mapped)[0].log_softmax(-1)
+    shared = sorted(set(kv.first_logprobs) & set(plain.first_logprobs))
+    engine = torch.tensor([kv.first_logprobs[t] - plain.first_logprobs[t] for t in shared]).double()
+    lab = (lab_kv - lab_plain)[shared].double()
+    slope = float(engine @ lab / (lab @ lab))
+    assert len(shared) >= 10 and lab.abs().max() > 0.5, lab.abs().max()
+    assert torch.corrcoef(torch.stack([engine, lab]))[0, 1] > 0.95 and 0.85 < slope < 1.15, slope
