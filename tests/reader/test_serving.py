@@ -67,6 +67,27 @@ def test_only_kv_mode_chats_read_with_the_adapter(reader_mem, monkeypatch):
     assert scored != scored_plain
 
 
+def test_the_kv_map_skips_chats_over_facts_encoded_after_a_context(reader_mem, monkeypatch):
+    """The map was distilled on facts without a context window; turns read worse with it (lab):
+    a chat over any such fact is sent without map_from, one over plain facts with it."""
+    mem = reader_mem
+    sent = []
+    submit = mem.engine.submit
+    monkeypatch.setattr(mem.engine, "submit", lambda request, *a, **kw: sent.append(request) or submit(request, *a, **kw))
+    plain = list(mem.add(facts=FACTS, user_id="map-ctx").ids)
+    turns = list(mem.add([{"role": "user", "content": "We moved to Porto last spring."},
+                          {"role": "assistant", "content": "How do you like it?"},
+                          {"role": "user", "content": "My sister adopted a puppy named Bruno there."}],
+                         user_id="map-ctx").ids)
+    assert mem.get(turns[-1]).context  # encoded after the turns before it
+    q = "What is my sister's puppy called?"
+    mem.chat(q, user_id="map-ctx", fact_ids=plain, mode="kv", max_tokens=1)
+    with_map = sent[-1].plan.map_from
+    mem.chat(q, user_id="map-ctx", fact_ids=plain + turns, mode="kv", max_tokens=1)
+    assert with_map == len(mem.prompts.head_ids) and sent[-1].plan.map_from is None
+    assert sent[-1].reader  # the LoRA, where the adapter has one, still reads it
+
+
 def test_scoring_several_kv_chats_at_once_with_the_adapter(reader_mem):
     """Prompt logprobs of several adapter requests in one engine step (LoRA once broke on them)."""
     from concurrent.futures import ThreadPoolExecutor
