@@ -64,6 +64,7 @@ class WorkerSide:
         self.failed_block_ids: set[int] = set()
         self.tier_counts = {"ram_hits": 0, "disk_loads": 0}  # this worker's blob loads since last reported
         self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py); on the device once registered
+        self._key_factors: tuple[torch.Tensor, torch.Tensor] | None = None  # its key a, b per dim [L, H, D]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
@@ -78,6 +79,8 @@ class WorkerSide:
         if self._kv_map is not None:
             self._check_map()
             self._kv_map = self._kv_map.to(self.device, torch.float32)
+            # One factor per rotary pair, spread to both of its dims once: [L, H, D] each.
+            self._key_factors = tuple(torch.cat((t, t), dim=-1) for t in (self._kv_map.key_a, self._kv_map.key_b))
 
     def _layer_rotators(self) -> LayerRotators:
         if isinstance(self._rotator_of, KeyRotator):
@@ -166,7 +169,7 @@ class WorkerSide:
         m = self._kv_map
         where = mapped.view(-1, 1, 1)  # [N, 1, 1]
         k = key.to(torch.float32)
-        a, b = (torch.cat((t[i], t[i]), dim=-1) for t in (m.key_a, m.key_b))  # [H, D]: one factor per pair
+        a, b = (t[i] for t in self._key_factors)  # [H, D]
         k = torch.where(where, a * k + b * rotate_half(k), k)
         v = value.to(torch.float32)
         v = torch.where(where, m.value_scale[i] * v + m.value_shift[i], v)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmem.errors import UnsupportedConfigError
+from kvmem.reader.kvmap import rotate_half
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,11 @@ def rotary(model):
     return rope
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def move_keys(model, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """keys [b, heads, n, d] rotated at p -> rotated at p + delta; delta [b, n] ints."""
     cos, sin = rotary(model)(keys, delta)  # [b, n, d] each
     cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
-    return keys * cos + _rotate_half(keys) * sin
+    return keys * cos + rotate_half(keys) * sin
 
 
 def _kv_of(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
