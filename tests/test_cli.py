@@ -223,3 +223,14 @@ def test_tune_reader_targets_are_checked_and_kept_in_peft_order(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse(["tune-reader", "--targets", "q_proj,lm_head"])
     assert exit_.value.code == 2 and "expected names among q_proj" in capsys.readouterr().err
+
+
+def test_tune_reader_memories_are_checked_and_kept_in_order_once(capsys):
+    from kvmem.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["tune-reader"]).memory == ("observations",)
+    assert parse(["tune-reader", "--memory", "both,observations,both"]).memory == ("both", "observations")
+    with pytest.raises(SystemExit) as exit_:
+        parse(["tune-reader", "--memory", "observations,facts"])
+    assert exit_.value.code == 2 and "expected names among observations,turns,both" in capsys.readouterr().err

@@ -29,6 +29,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _memories(text: str) -> tuple[str, ...]:
+    from kvmem.bench.eval_locomo import DEFAULT_WINDOW
+
+    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [t for t in names if t not in DEFAULT_WINDOW]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected names among {','.join(DEFAULT_WINDOW)}, got {text!r}")
+    return names
+
+
 def _targets(text: str) -> tuple[str, ...]:
     if text.strip() == "none":
         return ()
@@ -47,6 +57,11 @@ def add_parser(sub) -> None:
                    help=f"training conversations (default: {','.join(TUNE_CONVERSATIONS)})")
     p.add_argument("--eval-conversations", type=_ids, default=REPORT_CONVERSATIONS,
                    help=f"held-out conversations to measure on; '' for none (default: {','.join(REPORT_CONVERSATIONS)})")
+    p.add_argument("--memory", type=_memories, default=("observations",), metavar="KINDS",
+                   help="comma-separated memories the chats read, as `kvmem eval locomo --memory` stores them: "
+                        "observations, turns, both (observations + turns, each turn after its 2 before); "
+                        "training takes each question once per memory, and each memory is measured on its own "
+                        "(default: observations)")
     p.add_argument("--limit", type=int, default=0, help="training questions per conversation; 0 for all (default)")
     p.add_argument("--turn-questions", type=_non_negative_int, default=0, metavar="N",
                    help="also train on the conversations' own turns that end in '?', each as a user's message: "
@@ -98,33 +113,40 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     except ValueError as e:
         raise SystemExit(f"kvmem tune-reader: {e}") from e
     with KVMem(config, start_engine=False, background=False) as mem:
-        train = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, limit=args.limit or None,
-                                                 seed=args.seed)]
-        if args.turn_questions:
-            train += [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, seed=args.seed,
-                                                      limit=args.turn_questions, asked="turns")]
-        held = [ex for _, ex in locomo_examples(mem, args.data, args.eval_conversations, k=args.k,
-                                                limit=args.eval_limit or None, seed=args.seed)] if args.eval_conversations else []
+        train, held = [], {}
+        for memory in args.memory:
+            train += [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, memory=memory,
+                                                      limit=args.limit or None, seed=args.seed)]
+            if args.turn_questions:
+                train += [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, seed=args.seed,
+                                                          memory=memory, limit=args.turn_questions, asked="turns")]
+            if args.eval_conversations:
+                held[memory] = [ex for _, ex in locomo_examples(mem, args.data, args.eval_conversations, k=args.k,
+                                                                memory=memory, limit=args.eval_limit or None,
+                                                                seed=args.seed)]
         model_info, eos = mem.model, eos_ids(mem.prompts.tokenizer)
     out = args.out or adapters.user_folder(config.home, model_info.fingerprint)
     model = load_model(model_info.path)
     meta = {"fingerprint": model_info.fingerprint, "model": str(model_info.path),
-            "conversations": list(args.conversations), "k": args.k, "trained_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "conversations": list(args.conversations), "memory": list(args.memory), "k": args.k, "trained_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     report = tune(model, train, eos, out, cfg, meta)
     print(f"adapter: {out} ({report.steps} steps, {report.seconds / 60:.1f} min); "
           f"KL over the first tenth {report.first_loss:.4f}, last tenth {report.last_loss:.4f}")
     result = {"command": "kvmem " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-              "train_conversations": list(args.conversations), "train_examples": len(train),
+              "train_conversations": list(args.conversations), "memory": list(args.memory),
+              "train_examples": len(train),
               "train_turn_questions_per_conversation": args.turn_questions,
               "tune": {**cfg.__dict__}, "steps": report.steps, "seconds": round(report.seconds, 1),
               "loss_first_tenth": report.first_loss, "loss_last_tenth": report.last_loss}
     if held:
         wrapped = [(n, m) for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
         result["eval_conversations"] = list(args.eval_conversations)
-        result["eval_examples"] = len(held)
-        result["eval"] = evaluate(model, wrapped, held, eos, args.reply_tokens, kv_map=kvmap.load(out))
-        for name, row in result["eval"].items():
-            print(f"{name:12s} " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()))
+        result["eval_examples"] = {memory: len(examples) for memory, examples in held.items()}
+        result["eval"] = {memory: evaluate(model, wrapped, examples, eos, args.reply_tokens, kv_map=kvmap.load(out))
+                          for memory, examples in held.items()}
+        for memory, rows in result["eval"].items():
+            for name, row in rows.items():
+                print(f"{memory:12s} {name:12s} " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()))
     path = args.results or Path("docs/results/reader.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

@@ -54,3 +54,13 @@ def test_a_limit_draws_the_same_turns_every_time(asking):
     assert one[0][0] in ("conv-26#t2", "conv-26#t24")
     with pytest.raises(ValueError, match="asked must be one of"):
         locomo_examples(mem, path, ("conv-26",), asked="answers")
+
+
+def test_memory_both_gives_chats_whose_turn_facts_carry_their_context(asking):
+    """tune-reader --memory both trains on what turn memory serves: turns encoded after the turns before them."""
+    mem, path = asking
+    observations = locomo_examples(mem, path, ("conv-26",), k=6, limit=3)
+    both = locomo_examples(mem, path, ("conv-26",), k=6, limit=3, memory="both")
+    assert [key for key, _ in observations] == [key for key, _ in both]  # the same questions
+    assert all(not context for _, ex in observations for context, _ in ex.facts)
+    assert any(context for _, ex in both for context, _ in ex.facts)
