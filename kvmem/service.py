@@ -455,8 +455,8 @@ class KVMem:
         if len(prompt.token_ids) + max_tokens > self.config.engine.max_model_len:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}")
-        plan = Plan(INJECT, prompt.segments, map_from=_map_from(facts, len(self.prompts.head_ids))) \
-            if mode == "kv" else None
+        # The facts start after the head: where the reader's KV map begins (sent only when reading with it).
+        plan = Plan(INJECT, prompt.segments, map_from=len(self.prompts.head_ids)) if mode == "kv" else None
         # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
         request = EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs, reader=mode == "kv",
                                 route=user_id)
@@ -612,11 +612,3 @@ def _iso_or_none(timestamp: str | None) -> str | None:
 
 def _index_metadata(scope: Scope, metadata: dict) -> dict:
     return {**metadata, "_agent_id": scope.agent_id, "_run_id": scope.run_id}
-
-
-def _map_from(facts: list[FactRecord], head_length: int) -> int | None:
-    """Where a KV-mode chat's facts start, for the reader's KV map (the engine sends it only when
-    it reads with the reader); None when a fact was encoded after a context window. The shipped
-    map was distilled on facts encoded without one: on turns with their context it reads worse
-    than no map at all (lab, first-token KL 0.113 against 0.085; docs/benchmarks.md)."""
-    return None if any(f.context for f in facts) else head_length

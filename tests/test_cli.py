@@ -229,7 +229,7 @@ def test_tune_reader_memories_are_checked_and_kept_in_order_once(capsys):
     from kvmem.cli import build_parser
 
     parse = build_parser().parse_args
-    assert parse(["tune-reader"]).memory == ("observations",)
+    assert parse(["tune-reader"]).memory == ("observations", "both")  # what the shipped map was trained on
     assert parse(["tune-reader", "--memory", "both,observations,both"]).memory == ("both", "observations")
     with pytest.raises(SystemExit) as exit_:
         parse(["tune-reader", "--memory", "observations,facts"])

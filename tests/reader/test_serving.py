@@ -67,27 +67,6 @@ def test_only_kv_mode_chats_read_with_the_adapter(reader_mem, monkeypatch):
     assert scored != scored_plain
 
 
-def test_the_kv_map_skips_chats_over_facts_encoded_after_a_context(reader_mem, monkeypatch):
-    """The map was distilled on facts without a context window; turns read worse with it (lab):
-    a chat over any such fact is sent without map_from, one over plain facts with it."""
-    mem = reader_mem
-    sent = []
-    submit = mem.engine.submit
-    monkeypatch.setattr(mem.engine, "submit", lambda request, *a, **kw: sent.append(request) or submit(request, *a, **kw))
-    plain = list(mem.add(facts=FACTS, user_id="map-ctx").ids)
-    turns = list(mem.add([{"role": "user", "content": "We moved to Porto last spring."},
-                          {"role": "assistant", "content": "How do you like it?"},
-                          {"role": "user", "content": "My sister adopted a puppy named Bruno there."}],
-                         user_id="map-ctx").ids)
-    assert mem.get(turns[-1]).context  # encoded after the turns before it
-    q = "What is my sister's puppy called?"
-    mem.chat(q, user_id="map-ctx", fact_ids=plain, mode="kv", max_tokens=1)
-    with_map = sent[-1].plan.map_from
-    mem.chat(q, user_id="map-ctx", fact_ids=plain + turns, mode="kv", max_tokens=1)
-    assert with_map == len(mem.prompts.head_ids) and sent[-1].plan.map_from is None
-    assert sent[-1].reader  # the LoRA, where the adapter has one, still reads it
-
-
 def test_scoring_several_kv_chats_at_once_with_the_adapter(reader_mem):
     """Prompt logprobs of several adapter requests in one engine step (LoRA once broke on them)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -190,3 +169,29 @@ def test_a_map_only_adapter_maps_kv_chats_alone_as_the_lab_does(map_only_mem, mo
     slope = float(engine @ lab / (lab @ lab))
     assert len(shared) >= 10 and lab.abs().max() > 0.5, lab.abs().max()
     assert torch.corrcoef(torch.stack([engine, lab]))[0, 1] > 0.95 and 0.85 < slope < 1.15, slope
+
+
+def test_the_kv_map_reads_facts_encoded_after_a_context_too(map_only_mem, monkeypatch):
+    """The shipped map is distilled on observations and on turns encoded after their context
+    window (it reads both better than no map: docs/benchmarks.md), so a KV-mode chat over turns
+    asks for it as a chat over plain facts does: map_from at the head's end."""
+    mem = map_only_mem
+    sent = []
+    submit = mem.engine.submit
+    monkeypatch.setattr(mem.engine, "submit", lambda request, *a, **kw: sent.append(request) or submit(request, *a, **kw))
+    plain = list(mem.add(facts=FACTS, user_id="map-ctx").ids)
+    turns = list(mem.add([{"role": "user", "content": "We moved to Porto last spring."},
+                          {"role": "assistant", "content": "How do you like it?"},
+                          {"role": "user", "content": "My sister adopted a puppy named Bruno there."}],
+                         user_id="map-ctx").ids)
+    assert mem.get(turns[-1]).context  # encoded after the turns before it
+    q = "What is my sister's puppy called?"
+    mem.chat(q, user_id="map-ctx", fact_ids=plain, mode="kv", max_tokens=1)
+    over_plain = sent[-1].plan.map_from
+    over_turns = mem.chat(q, user_id="map-ctx", fact_ids=plain + turns, mode="kv", max_tokens=1, logprobs=5)
+    assert over_plain == sent[-1].plan.map_from == len(mem.prompts.head_ids)
+    unmapped = mem.chat(q, user_id="map-ctx", fact_ids=plain + turns, mode="kv", max_tokens=1, logprobs=5, reader=False)
+    # The connector reports it mapped the facts (no LoRA here), and the reply's first token moved.
+    assert over_turns.reader_adapter and not unmapped.reader_adapter
+    shared = set(over_turns.first_logprobs) & set(unmapped.first_logprobs)
+    assert shared and max(abs(over_turns.first_logprobs[t] - unmapped.first_logprobs[t]) for t in shared) > 1e-3
