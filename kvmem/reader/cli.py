@@ -130,7 +130,8 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     out = args.out or adapters.user_folder(config.home, model_info.fingerprint)
     model = load_model(model_info.path)
     meta = {"fingerprint": model_info.fingerprint, "model": str(model_info.path),
-            "conversations": list(args.conversations), "memory": list(args.memory), "k": args.k, "trained_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "conversations": list(args.conversations), "memory": list(args.memory), "k": args.k,
+            "trained_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     report = tune(model, train, eos, out, cfg, meta)
     print(f"adapter: {out} ({report.steps} steps, {report.seconds / 60:.1f} min); "
           f"KL over the first tenth {report.first_loss:.4f}, last tenth {report.last_loss:.4f}")
