@@ -4,8 +4,9 @@ injected facts' keys and values (reader/kvmap.py) and, when asked, a LoRA on the
 Teacher: the base model prefilling [head][facts][tail] as text, and its greedy reply.
 Student: the same model reading the facts' KV exactly as kvmem serves it (each fact encoded on
 its own after the head and its context window, if it has one, keys moved to its serving
-position; encoded without the adapter, as the engine encodes), the facts' KV put through the KV map, then the tail and the reply computed
-(with the LoRA on the query projections, when there is one).
+position; encoded without the adapter, as the engine encodes), the facts' KV put through the
+KV map, then the tail and the reply computed (with the LoRA on the query projections, when
+there is one).
 Loss: KL(teacher || student) over the reply's next-token distributions. No labels are needed.
 
 Work is kept in `<out>.work/`: the teacher's targets (computed once, in chunks) and a training
