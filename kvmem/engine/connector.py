@@ -10,8 +10,9 @@ Everything a worker needs travels in the per-step metadata (plan.ConnectorMeta);
 comes from `kv_connector_extra_config`: kv_dir, fingerprint, codec, hot_cache_mib, shared_url
 (the shared Redis tier, kv/shared.py; absent or null: the local folder only), reader_adapter
 (the served reader adapter's folder, whose KV map the worker applies to the facts of chats that
-ask for it; absent or null: none), and is_neox_style (only used when the model's own rotary embedding
-is not found).
+ask for it, where the map fits the model: else the worker drops it and says why in kv_dir, and
+the scheduler side reports no chat mapped; absent or null: none), and is_neox_style (only used
+when the model's own rotary embedding is not found).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from kvmem.engine.plan import KEY, ConnectorMeta
 from kvmem.engine.rope import KeyRotator, is_rotary
 from kvmem.engine.scheduler_side import SchedulerSide
-from kvmem.engine.support import refuse_unsupported
+from kvmem.engine.support import leave_map_refusal, map_refused, refuse_unsupported
 from kvmem.engine.worker_side import WorkerSide
 from kvmem.kv.store import KVStore
 from kvmem.reader import kvmap
@@ -79,8 +80,12 @@ class KvmemConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._tier_totals = KvmemStats()  # scheduler: every worker's reports, summed
         self._tier_totals.reset()
+        self._extra = extra
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(store, block_size, kv_map=kvmap.load(extra.get("reader_adapter")) is not None)
+            # The worker registered its caches (and judged the map) before this side is built.
+            mapping = kvmap.load(extra.get("reader_adapter")) is not None \
+                and map_refused(extra.get("kv_dir"), extra["fingerprint"]) is None
+            self._scheduler = SchedulerSide(store, block_size, kv_map=mapping)
         else:
             store.worker_attached = True
             self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, extra)
@@ -129,8 +134,11 @@ class KvmemConnector(KVConnectorBase_V1):
     # -- worker side (worker process) -----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Worker, once at start-up, after the paged caches are allocated."""
+        """Worker, once at start-up, after the paged caches are allocated (and before the
+        scheduler side is built, which reads the worker's verdict on the reader's KV map)."""
         self._worker.register_kv_caches(kv_caches)
+        if self._extra.get("reader_adapter") and self._extra.get("kv_dir"):
+            leave_map_refusal(self._extra["kv_dir"], self._extra["fingerprint"], self._worker.map_refusal)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Worker, each step, before the forward pass: queue this step's injections."""

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 from kvmem.config import Config
 from kvmem.engine.plan import ENCODE, KEY, Plan
 from kvmem.engine.replica import transfer_config
-from kvmem.engine.support import take_refusal
+from kvmem.engine.support import map_refused, take_refusal
 from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
@@ -92,6 +92,7 @@ class Engine:
             if refusal:
                 raise UnsupportedConfigError(f"{refusal} (model {model.path})") from e
             raise EngineError(f"vLLM failed to start on {model.path}: {e}") from e
+        self._refuse_unfit_adapter(config.kv_dir, model.fingerprint)
         self._engine = self._llm.llm_engine
         self.model = model
         self.max_model_len = ec.max_model_len
@@ -101,6 +102,15 @@ class Engine:
         self.aborted = 0  # requests dropped because their caller cancelled them (e.g. a client hung up)
         self._driver = threading.Thread(target=self._drive, name="kvmem-engine", daemon=True)
         self._driver.start()
+
+    def _refuse_unfit_adapter(self, kv_dir: Path, fingerprint: str) -> None:
+        """A KV map that does not fit the model (its shape, or a rotary embedding it does not
+        commute with) was dropped by the worker at start-up: the whole adapter is refused then,
+        as a malformed one is, and KV-mode chats are served plainly."""
+        refusal = map_refused(kv_dir, fingerprint) if self.reader_adapter is not None else None
+        if refusal:
+            log.warning("reader adapter %s refused, plain KV mode: %s", self.reader_adapter, refusal)
+            self.reader_adapter, self._lora = None, None
 
     @property
     def tokenizer(self):

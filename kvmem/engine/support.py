@@ -75,6 +75,34 @@ def take_refusal(report_dir: Path) -> str | None:
     return message
 
 
+def map_refusal_file(report_dir: Path, fingerprint: str) -> Path:
+    """Where a worker says why it refused the reader's KV map (reader/kvmap.py), for the engine's
+    other processes: the scheduler side is built after the worker registered its caches (vLLM's
+    EngineCore sets up the KV caches before the scheduler), and reads it then."""
+    return Path(report_dir) / f"reader-map-refused-{fingerprint[:16]}.txt"
+
+
+def leave_map_refusal(report_dir: Path, fingerprint: str, reason: str | None) -> None:
+    """Record the worker's verdict on the KV map of this start: why it was refused, or (None)
+    that it fits, which clears an earlier start's refusal."""
+    path = map_refusal_file(report_dir, fingerprint)
+    if reason is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(reason)
+
+
+def map_refused(report_dir: Path | None, fingerprint: str) -> str | None:
+    """Why this start's worker refused the reader's KV map, or None (it took it, or had none)."""
+    if report_dir is None:
+        return None
+    try:
+        return map_refusal_file(report_dir, fingerprint).read_text()
+    except FileNotFoundError:
+        return None
+
+
 def _cache_group_reasons(groups) -> list[str]:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 

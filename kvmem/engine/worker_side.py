@@ -65,6 +65,7 @@ class WorkerSide:
         self.tier_counts = {"ram_hits": 0, "disk_loads": 0}  # this worker's blob loads since last reported
         self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py); on the device once registered
         self._key_factors: tuple[torch.Tensor, torch.Tensor] | None = None  # its key a, b per dim [L, H, D]
+        self.map_refusal: str | None = None  # why the KV map was dropped at registration, if it was
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
@@ -76,8 +77,7 @@ class WorkerSide:
         self._stream = SideStream(self._caches[0][1].device)
         self._staging = HostStaging(pin=self._stream.is_async)
         self._heads_from_layers(kv_caches)
-        if self._kv_map is not None:
-            self._check_map()
+        if self._kv_map is not None and self._map_fits():
             self._kv_map = self._kv_map.to(self.device, torch.float32)
             # One factor per rotary pair, spread to both of its dims once: [L, H, D] each.
             self._key_factors = tuple(torch.cat((t, t), dim=-1) for t in (self._kv_map.key_a, self._kv_map.key_b))
@@ -154,6 +154,18 @@ class WorkerSide:
         key = key.to(dtype, copy=True)
         key[index] = moving.to(dtype)
         return key
+
+    def _map_fits(self) -> bool:
+        """Keep the reader's KV map only if it fits this model; else drop it (plain KV mode, the
+        reason kept in `map_refusal`), as a mismatched adapter is refused, never fatal. Only the
+        worker sees the model's real rotary embeddings and head count, so it has the last word."""
+        try:
+            self._check_map()
+        except AdapterError as e:
+            log.warning("the reader adapter's KV map is refused, plain KV mode: %s", e)
+            self.map_refusal, self._kv_map = str(e), None
+            return False
+        return True
 
     def _check_map(self) -> None:
         """The map's complex multiply commutes with RoPE only for full, neox-style rotation."""

@@ -6,6 +6,8 @@
   "off"  - never;
   a path - that folder, if it was trained for this model.
 An adapter made for another model is refused with a log line: the chat is served in plain KV mode.
+So is one whose KV map does not fit the model's rotary embeddings or shape, which only vLLM's
+worker can tell: it drops the map at start-up, and the engine then refuses the adapter (llm.py).
 """
 
 from __future__ import annotations

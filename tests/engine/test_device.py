@@ -207,13 +207,27 @@ def test_the_readers_kv_map_reaches_the_facts_and_never_the_header(tmp_path, rop
     assert not torch.equal(k[:, 10:], plain_k[:, 10:])
 
 
-def test_a_kv_map_for_another_shape_is_refused_at_start(tmp_path, rope, model_dir):
-    from kvmem.errors import AdapterError
+def test_a_kv_map_for_another_shape_is_dropped_at_start_and_chats_read_plain_kv(tmp_path, rope, model_dir):
+    """A map that does not fit used to raise here, in the worker, and vLLM then failed to start:
+    now the worker drops it, says why, and a chat that asks for the map gets plain KV."""
+    from kvmem.engine.plan import Span
+    from kvmem.kv.blob import KVBlob
     from tests.reader.test_kvmap import random_map
 
-    side = worker(tmp_path, rope, model_dir, kv_map=random_map(LAYERS, HEADS + 1, DIM))
-    with SimulatedDevice(), pytest.raises(AdapterError, match="kv_heads"):
-        side.register_kv_caches({n: to_device(empty_cache()) for n in NAMES})
+    rotator = KeyRotator(rope)
+    _, k_head, v_head = _cached(6, 10, 0, rotator)
+    _, k_fact, v_fact = _cached(7, 12, 40, rotator)
+    blobs = {Span("head", 0, 10): KVBlob("head", FP, tuple(range(10)), k_head, v_head, 0),
+             Span("fact", 10, 12): KVBlob("fact", FP, tuple(range(12)), k_fact, v_fact, 40)}
+    got = {}
+    for name, with_map in (("plain", None), ("unfit", random_map(LAYERS, HEADS + 1, DIM))):
+        side = worker(tmp_path / name, rope, model_dir, kv_map=with_map)
+        with SimulatedDevice():
+            side.register_kv_caches({n: to_device(empty_cache()) for n in NAMES})
+            got[name] = _inject(side, blobs, (0,), 10)
+        refusal = side.map_refusal
+    assert refusal and "kv_heads" in refusal
+    assert all(torch.equal(a, b) for a, b in zip(got["unfit"], got["plain"]))
 
 
 def test_format_1_blobs_inject_beside_format_2_ones(tmp_path, rope, model_dir):

@@ -161,3 +161,33 @@ def test_the_connector_refuses_at_construction(model_config, tmp_path):
     KvmemConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(full_attention()))  # supported: builds
     with pytest.raises(UnsupportedConfigError, match="hybrid KV cache"):
         KvmemConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(full_attention(), sliding_window()))
+
+
+def test_the_scheduler_side_maps_only_when_the_worker_took_the_map(model_config, tmp_path):
+    """A replica's gateway sends map_from with every KV chat; where the worker dropped a map that
+    does not fit the model, the scheduler side (built after it) must not report the chat mapped."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvmem.engine.connector import KvmemConnector
+    from kvmem.engine.support import leave_map_refusal, map_refused
+    from kvmem.reader import lora
+    from tests.reader.test_kvmap import random_map
+
+    fp, kv_dir = "e" * 64, tmp_path / "kv"
+    lora.save([], tmp_path / "adapter", rank=8, alpha=16.0, base_model="", meta={"fingerprint": fp},
+              kv_map=random_map(2, 3, 64))
+    extra = {"kv_dir": str(kv_dir), "fingerprint": fp, "reader_adapter": str(tmp_path / "adapter")}
+    transfer = KVTransferConfig(kv_connector="KvmemConnector", kv_connector_module_path="kvmem.engine.connector",
+                                kv_role="kv_both", kv_connector_extra_config=extra)
+    config = VllmConfig(model_config=model_config, kv_transfer_config=transfer, cache_config=CacheConfig(block_size=32))
+
+    def scheduler_maps() -> bool:
+        return KvmemConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(full_attention()))._scheduler.kv_map
+
+    assert scheduler_maps()
+    leave_map_refusal(kv_dir, fp, "the model has rotary_dim 32 of 64")
+    assert map_refused(kv_dir, fp) == "the model has rotary_dim 32 of 64" and map_refused(kv_dir, "a" * 64) is None
+    assert not scheduler_maps()
+    leave_map_refusal(kv_dir, fp, None)  # the next start's worker took it
+    assert map_refused(kv_dir, fp) is None and scheduler_maps()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmem.config import Config, default_home
-from kvmem.engine.plan import ENCODE
+from kvmem.engine.plan import ENCODE, KEY
 from kvmem.reader import adapters, lora
 from tests.reader.test_kvmap import random_map
 
@@ -195,3 +195,44 @@ def test_the_kv_map_reads_facts_encoded_after_a_context_too(map_only_mem, monkey
     assert over_turns.reader_adapter and not unmapped.reader_adapter
     shared = set(over_turns.first_logprobs) & set(unmapped.first_logprobs)
     assert shared and max(abs(over_turns.first_logprobs[t] - unmapped.first_logprobs[t]) for t in shared) > 1e-3
+
+
+def test_a_map_the_models_rotary_does_not_fit_is_refused_and_chats_are_plain_kv(model_dir, tmp_path, caplog,
+                                                                                monkeypatch):
+    """Phi-3 rotates only half of each head (partial_rotary_factor 0.5), which the map's complex
+    multiply does not commute with. Only vLLM's worker sees that; it used to raise there, and
+    the engine failed to start. Now the whole adapter is refused with the reason, as a malformed
+    one is, and KV-mode chats are served plainly (no map asked for, none reported)."""
+    import logging
+    from pathlib import Path
+
+    from kvmem.config import EngineConfig, KVConfig
+    from kvmem.model import resolve_model
+    from kvmem.service import KVMem
+    from tests.engine.test_families import make_model_dir
+
+    path = make_model_dir(tmp_path, "phi3", Path(model_dir))
+    info = resolve_model(str(path), tmp_path / "models")
+    folder = tmp_path / "phi3-map"
+    lora.save([], folder, rank=8, alpha=16.0, base_model=str(path), meta={"fingerprint": info.fingerprint},
+              kv_map=random_map(info.num_layers, info.num_kv_heads, info.head_size, spread=0.1))
+    assert adapters.find(str(folder), tmp_path / "home", info.fingerprint) == folder  # it passes every file check
+    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path)),
+                    kv=KVConfig(reader_adapter=str(folder)))
+    with caplog.at_level(logging.WARNING, logger="kvmem.engine.llm"):
+        mem = KVMem(config, background=False)
+    try:
+        assert mem.engine.reader_adapter is None
+        assert "refused, plain KV mode" in caplog.text and "rotary_dim 32 of 64" in caplog.text
+        ids = list(mem.add(facts=FACTS, user_id="phi3").ids)
+        sent = []  # what vLLM itself is sent
+        add = mem.engine._engine.add_request
+        monkeypatch.setattr(mem.engine._engine, "add_request",
+                            lambda rid, prompt, params, **kw: sent.append((prompt, params, kw)) or add(rid, prompt, params, **kw))
+        kv = mem.chat("Where do I live?", user_id="phi3", fact_ids=ids, mode="kv", max_tokens=1)
+        assert kv.injected_tokens > 0 and kv.fallbacks == 0 and not kv.reader_adapter
+        ((prompt, params, kw),) = sent
+        assert kw.get("lora_request") is None and not prompt["cache_salt"].endswith(":reader")
+        assert "map_from" not in params.extra_args["kv_transfer_params"][KEY]
+    finally:
+        mem.close()
