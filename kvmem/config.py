@@ -67,6 +67,9 @@ class KVConfig:
     reader_adapter: "auto" | "off" | a folder: the reader adapter KV-mode chats read injected
       facts with: a KV map the connector applies to the facts' KV at injection, a LoRA vLLM runs
       on the query projections, or both (kvmem/reader/adapters.py; `kvmem tune-reader` trains one).
+    text_facts: the last N facts of a KV-mode chat are prefilled as text after the injected ones,
+      so they attend to every fact before them as in text prefill (closer to text mode's answer,
+      for a fixed cost of N facts' tokens whatever k is; measured in docs/benchmarks.md).
     """
 
     codec: str = "none"
@@ -75,11 +78,14 @@ class KVConfig:
     disk_budget_mib: float | None = None
     tenant_quota_mib: float | None = None
     shared_url: str | None = None
+    text_facts: int = 0
 
     def __post_init__(self) -> None:
         from kvmem.kv.codec import check_codec
 
         check_codec(self.codec)
+        if not (isinstance(self.text_facts, int) and self.text_facts >= 0):
+            raise ValueError(f"kv.text_facts must be an int >= 0, got {self.text_facts!r}")
         for name in ("disk_budget_mib", "tenant_quota_mib"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
@@ -183,7 +189,8 @@ class Config:
                       hot_cache_mib=int(os.environ.get("KVMEM_HOT_CACHE_MIB", KVConfig.hot_cache_mib)),
                       disk_budget_mib=_mib_or_none(os.environ.get("KVMEM_KV_DISK_BUDGET_MIB", "")),
                       tenant_quota_mib=_mib_or_none(os.environ.get("KVMEM_KV_TENANT_QUOTA_MIB", "")),
-                      shared_url=os.environ.get("KVMEM_KV_SHARED_URL") or None)
+                      shared_url=os.environ.get("KVMEM_KV_SHARED_URL") or None,
+                      text_facts=int(os.environ.get("KVMEM_KV_TEXT_FACTS", KVConfig.text_facts)))
         retrieval = RetrievalConfig(
             mode=os.environ.get("KVMEM_RETRIEVAL", RetrievalConfig.mode),
             depth=int(os.environ.get("KVMEM_RETRIEVAL_DEPTH", RetrievalConfig.depth)),

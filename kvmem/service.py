@@ -456,7 +456,8 @@ class KVMem:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}")
         # The facts start after the head: where the reader's KV map begins (sent only when reading with it).
-        plan = Plan(INJECT, prompt.segments, map_from=len(self.prompts.head_ids)) if mode == "kv" else None
+        plan = Plan(INJECT, _injected(prompt.segments, self.config.kv.text_facts),
+                    map_from=len(self.prompts.head_ids)) if mode == "kv" else None
         # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
         request = EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs, reader=mode == "kv",
                                 route=user_id)
@@ -570,6 +571,12 @@ class KVMem:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _injected(segments: tuple, text_facts: int) -> tuple:
+    """The prompt's segments ([head, fact_1..fact_k]) less the last `text_facts` facts, which the
+    engine then prefills as text after the injected prefix (config.KVConfig.text_facts)."""
+    return segments[: max(1, len(segments) - text_facts)]
 
 
 def kv_first(facts: list[FactRecord]) -> list[FactRecord]:

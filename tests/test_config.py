@@ -25,3 +25,13 @@ def test_a_bad_retrieval_setting_is_refused(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
         Config.from_env()
+
+
+def test_kv_text_facts_comes_from_the_environment_and_must_be_a_count(monkeypatch):
+    assert Config.from_env().kv.text_facts == 0
+    monkeypatch.setenv("KVMEM_KV_TEXT_FACTS", "2")
+    assert Config.from_env().kv.text_facts == 2
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("KVMEM_KV_TEXT_FACTS", bad)
+        with pytest.raises(ValueError, match="text_facts must be an int >= 0|invalid literal"):
+            Config.from_env()

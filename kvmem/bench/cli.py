@@ -14,6 +14,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def add_parsers(sub) -> None:
     p = sub.add_parser("bench", help="measure TTFT and throughput, KV injection vs text prefill")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -106,6 +113,9 @@ def add_parsers(sub) -> None:
                     help="retrieval ranking (default: the configured one, hybrid)")
     lc.add_argument("--codecs", type=_codec_list, default=(),
                     help="comma-separated KV codecs to answer with too, beside the lossless blobs (e.g. int8,int6)")
+    lc.add_argument("--text-facts", type=_non_negative, default=None,
+                    help="KV mode prefills its last N facts as text (default: the configured kv.text_facts, "
+                         "KVMEM_KV_TEXT_FACTS, 0)")
     _common(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
     rt = ev.add_parser("retrieval", help="LoCoMo evidence recall@5/10/20 per category: dense, lexical, hybrid")
@@ -275,10 +285,15 @@ def _codec_list(text: str) -> tuple[str, ...]:
 
 
 def cmd_locomo(args, config) -> int:
+    from dataclasses import replace
+
     from kvmem.bench import eval_locomo, eval_report
 
+    text_facts = config.kv.text_facts if args.text_facts is None else args.text_facts
+    config = replace(config, kv=replace(config.kv, text_facts=text_facts))
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
-                                 seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs)
+                                 seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs,
+                                 text_facts=text_facts)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")

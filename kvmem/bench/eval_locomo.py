@@ -44,6 +44,7 @@ class EvalConfig:
     workers: int = 4
     ranking: str | None = None  # None: the service's configured retrieval (hybrid by default)
     codecs: tuple[str, ...] = ()  # KV codecs to answer with too, re-coded from the lossless blobs
+    text_facts: int = 0  # the last facts KV mode prefills as text (the service's kv.text_facts, set by the caller)
 
     @property
     def window_size(self) -> int:
@@ -57,7 +58,8 @@ class EvalConfig:
         subset = "-" + "+".join(sorted(self.conversations)) if self.conversations else ""
         ranking = f"-{self.ranking}" if self.ranking else ""
         codecs = "-codecs-" + "+".join(self.codecs) if self.codecs else ""
-        return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}{ranking}{codecs}"
+        text = f"-text-facts-{self.text_facts}" if self.text_facts else ""
+        return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}{ranking}{codecs}{text}"
 
 
 def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True) -> str:

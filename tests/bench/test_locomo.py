@@ -61,6 +61,8 @@ def test_runs_with_different_reader_adapters_never_share_a_resume_log(tmp_path):
     assert names["old"] != names["new"] and names["old"] == names["copy"]  # the weights decide, not the folder
     plain = log_name(cfg, model, None)
     assert plain == f"{cfg.name}.b09197e460a8.jsonl" and ".reader-" in names["old"]
+    # KV mode with its last facts as text answers differently: a run (and its log) of its own.
+    assert EvalConfig(Path("d.json"), ("conv-42",), limit=10, text_facts=1).name == cfg.name + "-text-facts-1"
 
 
 def test_the_turns_before_an_observation_end_at_its_first_evidence_turn(conv):

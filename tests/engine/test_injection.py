@@ -162,3 +162,29 @@ def encode_after_true_prefix(mem, user, fact_ids, messages):
     prompt = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in fact_ids], messages)
     mem.engine.run([EngineRequest(prompt.token_ids[: seg.end], salt("encode", user), max_tokens=1,
                                   plan=Plan(ENCODE, (seg,))) for seg in prompt.segments[1:]])
+
+
+def test_kv_mode_prefills_its_last_facts_as_text_when_configured(mem, monkeypatch):
+    """kv.text_facts = N leaves the last N facts out of the injection plan: the engine computes
+    them after the injected prefix. With every fact as text, KV mode is text prefill (only the
+    header is injected, and it is exact). One user per setting: no prefix-cache sharing."""
+    from dataclasses import replace
+
+    facts = FACTS[:3]
+    q = "What is the name of my cat?"
+    last = len(mem.prompts.fact_tokens_many([facts[-1]])[0])
+    got = {}
+    for n in (0, 1, 3):
+        monkeypatch.setattr(mem, "config", replace(mem.config, kv=replace(mem.config.kv, text_facts=n)))
+        user = f"text-facts-{n}"
+        ids = list(mem.add(facts=facts, user_id=user).ids)
+        got[n] = mem.chat(q, user_id=user, fact_ids=ids, mode="kv", max_tokens=1, logprobs=20)
+        assert got[n].fallbacks == 0 and got[n].cached_tokens == 0
+    text = mem.chat(q, user_id="text-facts-3", fact_ids=ids, mode="text", max_tokens=1, logprobs=20)
+    again = mem.chat(q, user_id="text-facts-3", fact_ids=ids, mode="text", max_tokens=1, logprobs=20)
+    assert got[1].injected_tokens == got[0].injected_tokens - last
+    assert got[3].injected_tokens == len(mem.prompts.head_ids)
+    noise = logprob_gap(text.first_logprobs, again.first_logprobs)
+    gaps = {n: logprob_gap(text.first_logprobs, r.first_logprobs) for n, r in got.items()}
+    print(f"\ntext_facts gaps to text prefill {gaps}, noise {noise:.4f}")
+    assert gaps[3] <= 2 * noise + 0.05 < gaps[0]
