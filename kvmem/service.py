@@ -381,7 +381,8 @@ class KVMem:
     def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
              run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,
              mode: str = "kv", max_tokens: int = 64, logprobs: int | None = 20,
-             cancel: threading.Event | None = None, reader: bool = True) -> ChatResult:
+             cancel: threading.Event | None = None, reader: bool = True,
+             text_facts: int | None = None) -> ChatResult:
         """Answer the conversation with the user's top-k facts for its last user message.
 
         Facts go into the prompt in the order they were stored (conversation order), not by
@@ -394,9 +395,10 @@ class KVMem:
         Thread-safe: concurrent chats are batched by the engine. Setting `cancel` (from another
         thread) aborts the generation and raises RequestCancelled. KV mode reads with the reader
         adapter when the engine has one; `reader=False` reads without it (for measuring it).
+        `text_facts`: how many of the last facts KV mode prefills as text (None: kv.text_facts).
         """
         facts, request, retrieval_s = self._prepare(messages, user_id, agent_id, run_id, k, filters, fact_ids,
-                                                    mode, max_tokens, logprobs)
+                                                    mode, max_tokens, logprobs, text_facts)
         request = replace(request, reader=request.reader and reader)
         (result,) = self._need_engine().run([request], cancel=cancel)
         return self._finish(result, facts, mode, user_id, retrieval_s)
@@ -431,7 +433,8 @@ class KVMem:
         self._finish(result, facts, mode, user_id, 0.0)
         return list(result.scored)
 
-    def _prepare(self, messages, user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs):
+    def _prepare(self, messages, user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs,
+                 text_facts=None):
         from kvmem.engine.llm import EngineRequest
         from kvmem.engine.plan import INJECT, Plan
 
@@ -441,6 +444,8 @@ class KVMem:
             raise InvalidInputError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         if logprobs is not None and not _int_at_least(logprobs, 0):
             raise InvalidInputError(f"logprobs must be None or an int >= 0, got {logprobs!r}")
+        if text_facts is not None and not _int_at_least(text_facts, 0):
+            raise InvalidInputError(f"text_facts must be None or an int >= 0, got {text_facts!r}")
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
         check_messages(messages)
         self._check_fits(messages)
@@ -456,7 +461,8 @@ class KVMem:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}")
         # The facts start after the head: where the reader's KV map begins (sent only when reading with it).
-        plan = Plan(INJECT, _injected(prompt.segments, self.config.kv.text_facts),
+        text_facts = self.config.kv.text_facts if text_facts is None else text_facts
+        plan = Plan(INJECT, _injected(prompt.segments, text_facts),
                     map_from=len(self.prompts.head_ids)) if mode == "kv" else None
         # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
         request = EngineRequest(prompt.token_ids, salt(mode, user_id), max_tokens, plan, logprobs, reader=mode == "kv",

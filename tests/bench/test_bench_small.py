@@ -34,6 +34,19 @@ def test_ttft_bench_tiny(mem, tmp_path, locomo_path):
     assert result["rows"][1]["prompt_tokens"] > result["rows"][0]["prompt_tokens"]
     assert (tmp_path / "ttft.png").stat().st_size > 0 and json.loads((tmp_path / "ttft.json").read_text())
     assert "| 5 |" in text and "prefix-cache hit" in text and "kv/facts hit" in text
+    assert "kv_all" not in result["rows"][0] and "all injected" not in text
+
+
+def test_ttft_bench_times_kv_with_its_last_facts_as_text_beside_all_injected(mem, tmp_path, locomo_path, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(mem, "config", replace(mem.config, kv=replace(mem.config.kv, text_facts=1)))
+    result = ttft.run(mem, data=locomo_path, ks=(5,), reps=2)
+    text = ttft.report(result, tmp_path / "ttft")
+    (row,) = result["rows"]
+    assert result["text_facts"] == 1 and row["kv_all"]["n"] == row["kv"]["n"] == 2
+    assert row["text_facts_ratio_share"] == row["ratio_median"] / row["ratio_median_all"] > 0
+    assert "last 1 facts as text" in text and "| 5 |" in text.split("all injected")[-1]
 
 
 def test_load_bench_tiny(mem, tmp_path, locomo_path):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvmem.bench import oracle
 from kvmem.bench.oracle import FACTS
+from kvmem.errors import InvalidInputError
 from tests.helpers import add_fact, tokens
 
 
@@ -165,9 +167,10 @@ def encode_after_true_prefix(mem, user, fact_ids, messages):
 
 
 def test_kv_mode_prefills_its_last_facts_as_text_when_configured(mem, monkeypatch):
-    """kv.text_facts = N leaves the last N facts out of the injection plan: the engine computes
-    them after the injected prefix. With every fact as text, KV mode is text prefill (only the
-    header is injected, and it is exact). One user per setting: no prefix-cache sharing."""
+    """text_facts = N (kv.text_facts, or per chat) leaves the last N facts out of the injection
+    plan: the engine computes them after the injected prefix. With every fact as text, KV mode is
+    text prefill (only the header is injected, and it is exact). One user per setting: no
+    prefix-cache sharing."""
     from dataclasses import replace
 
     facts = FACTS[:3]
@@ -175,10 +178,14 @@ def test_kv_mode_prefills_its_last_facts_as_text_when_configured(mem, monkeypatc
     last = len(mem.prompts.fact_tokens_many([facts[-1]])[0])
     got = {}
     for n in (0, 1, 3):
-        monkeypatch.setattr(mem, "config", replace(mem.config, kv=replace(mem.config.kv, text_facts=n)))
         user = f"text-facts-{n}"
         ids = list(mem.add(facts=facts, user_id=user).ids)
-        got[n] = mem.chat(q, user_id=user, fact_ids=ids, mode="kv", max_tokens=1, logprobs=20)
+        if n == 1:  # from the config
+            monkeypatch.setattr(mem, "config", replace(mem.config, kv=replace(mem.config.kv, text_facts=n)))
+            got[n] = mem.chat(q, user_id=user, fact_ids=ids, mode="kv", max_tokens=1, logprobs=20)
+            monkeypatch.undo()
+        else:
+            got[n] = mem.chat(q, user_id=user, fact_ids=ids, mode="kv", max_tokens=1, logprobs=20, text_facts=n)
         assert got[n].fallbacks == 0 and got[n].cached_tokens == 0
     text = mem.chat(q, user_id="text-facts-3", fact_ids=ids, mode="text", max_tokens=1, logprobs=20)
     again = mem.chat(q, user_id="text-facts-3", fact_ids=ids, mode="text", max_tokens=1, logprobs=20)
@@ -188,3 +195,5 @@ def test_kv_mode_prefills_its_last_facts_as_text_when_configured(mem, monkeypatc
     gaps = {n: logprob_gap(text.first_logprobs, r.first_logprobs) for n, r in got.items()}
     print(f"\ntext_facts gaps to text prefill {gaps}, noise {noise:.4f}")
     assert gaps[3] <= 2 * noise + 0.05 < gaps[0]
+    with pytest.raises(InvalidInputError, match="text_facts"):
+        mem.chat(q, user_id="text-facts-3", fact_ids=ids, mode="kv", max_tokens=1, text_facts=-1)
