@@ -172,21 +172,29 @@ def test_a_fact_served_where_it_was_encoded_is_bit_exact_beside_one_that_moves(t
     assert torch.equal(got_v, torch.cat((v_stay, v_move), dim=1))
 
 
+def _head_and_fact(rotator) -> dict:
+    """A 10-token header served where it was encoded, and a 12-token fact encoded at 40 served at 10."""
+    from kvmem.engine.plan import Span
+    from kvmem.kv.blob import KVBlob
+
+    _, k_head, v_head = _cached(6, 10, 0, rotator)
+    _, k_fact, v_fact = _cached(7, 12, 40, rotator)
+    return {Span("head", 0, 10): KVBlob("head", FP, tuple(range(10)), k_head, v_head, 0),
+            Span("fact", 10, 12): KVBlob("fact", FP, tuple(range(12)), k_fact, v_fact, 40)}
+
+
 def test_the_readers_kv_map_reaches_the_facts_and_never_the_header(tmp_path, rope, model_dir):
     """Oracle: with a KV map, a chat that asks for it (map_from) gets each fact token's key and
     value through the map, after the move; the header before map_from, and a chat that does not
     ask, get exactly what they get without a map."""
     from kvmem.engine.plan import Span
-    from kvmem.kv.blob import KVBlob
     from kvmem.reader.kvmap import rotate_half
     from tests.reader.test_kvmap import random_map
 
     kv_map = random_map(LAYERS, HEADS, DIM)
     rotator = KeyRotator(rope)
-    _, k_head, v_head = _cached(6, 10, 0, rotator)
-    _, k_fact, v_fact = _cached(7, 12, 40, rotator)
-    blobs = {Span("head", 0, 10): KVBlob("head", FP, tuple(range(10)), k_head, v_head, 0),
-             Span("fact", 10, 12): KVBlob("fact", FP, tuple(range(12)), k_fact, v_fact, 40)}
+    blobs = _head_and_fact(rotator)
+    k_fact, v_fact = blobs[Span("fact", 10, 12)].key, blobs[Span("fact", 10, 12)].value
     got = {}
     for name, with_map, map_from in (("plain", None, None), ("mapped", kv_map, 10), ("not asked", kv_map, None)):
         side = worker(tmp_path / name, rope, model_dir, kv_map=with_map)
@@ -210,15 +218,9 @@ def test_the_readers_kv_map_reaches_the_facts_and_never_the_header(tmp_path, rop
 def test_a_kv_map_for_another_shape_is_dropped_at_start_and_chats_read_plain_kv(tmp_path, rope, model_dir):
     """A map that does not fit used to raise here, in the worker, and vLLM then failed to start:
     now the worker drops it, says why, and a chat that asks for the map gets plain KV."""
-    from kvmem.engine.plan import Span
-    from kvmem.kv.blob import KVBlob
     from tests.reader.test_kvmap import random_map
 
-    rotator = KeyRotator(rope)
-    _, k_head, v_head = _cached(6, 10, 0, rotator)
-    _, k_fact, v_fact = _cached(7, 12, 40, rotator)
-    blobs = {Span("head", 0, 10): KVBlob("head", FP, tuple(range(10)), k_head, v_head, 0),
-             Span("fact", 10, 12): KVBlob("fact", FP, tuple(range(12)), k_fact, v_fact, 40)}
+    blobs = _head_and_fact(KeyRotator(rope))
     got = {}
     for name, with_map in (("plain", None), ("unfit", random_map(LAYERS, HEADS + 1, DIM))):
         side = worker(tmp_path / name, rope, model_dir, kv_map=with_map)
