@@ -6,19 +6,13 @@ import argparse
 from pathlib import Path
 
 from kvmem.bench import locomo
+from kvmem.cli import _non_negative_int
 
 RESULTS = Path("docs/results")
 
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _non_negative(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
 
 
 def add_parsers(sub) -> None:
@@ -113,7 +107,7 @@ def add_parsers(sub) -> None:
                     help="retrieval ranking (default: the configured one, hybrid)")
     lc.add_argument("--codecs", type=_codec_list, default=(),
                     help="comma-separated KV codecs to answer with too, beside the lossless blobs (e.g. int8,int6)")
-    lc.add_argument("--text-facts", type=_non_negative, default=None,
+    lc.add_argument("--text-facts", type=_non_negative_int, default=None,
                     help="KV mode prefills its last N facts as text (default: the configured kv.text_facts, "
                          "KVMEM_KV_TEXT_FACTS, 0)")
     _common(lc, "locomo")

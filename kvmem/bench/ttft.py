@@ -38,17 +38,17 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
     for mode in ("text", "kv"):  # warm-up, not timed
         mem.chat(questions[0], user_id=USER, fact_ids=ids[:5], mode=mode, max_tokens=1)
     # With a reader adapter, "kv" reads with it and "kv_plain" is KV mode without it: its TTFT cost.
-    plain = ("kv_plain",) if mem.engine.reader_adapter else ()
+    others = ("kv_plain",) if mem.engine.reader_adapter else ()
     # With kv.text_facts, "kv" prefills its last facts as text and "kv_all" injects every fact: its cost.
-    plain += ("kv_all",) if mem.config.kv.text_facts else ()
+    others += ("kv_all",) if mem.config.kv.text_facts else ()
     rows = []
     for k in tqdm(ks, desc="bench ttft", unit="k"):
-        times = {m: [] for m in ("text", "kv", *plain, "cached", "facts_hit")}
+        times = {m: [] for m in ("text", "kv", *others, "cached", "facts_hit")}
         tokens = 0
         for rep in range(reps):
             chosen = rng.sample(ids, k)
             at = rng.randrange(len(questions))
-            first = ("text", "kv", *plain) if rep % 2 == 0 else (*plain[::-1], "kv", "text")
+            first = ("text", "kv", *others) if rep % 2 == 0 else (*others[::-1], "kv", "text")
             for mode in (*first, "cached", "facts_hit"):
                 q = questions[(at + (mode == "facts_hit")) % len(questions)]
                 r = mem.chat(q, user_id=USER, fact_ids=chosen, mode="kv" if mode.startswith("kv") else "text",
