@@ -4,7 +4,8 @@ Per question (categories 1-4) the top-k facts are retrieved once and used, in st
 all three modes; each mode answers greedily and scores the gold answer by teacher forcing.
 With `codecs`, KV mode also answers from each codec's re-coding of the same lossless blobs
 (mode "kv_<codec>"), so codecs are compared on the same questions and text answers.
-Results are appended per question to a JSONL file, so an interrupted run resumes.
+Results are appended per question to a JSONL file, so an interrupted run resumes. Only the
+facts the questions read are encoded (all of them with codecs).
 """
 
 from __future__ import annotations
@@ -63,17 +64,31 @@ class EvalConfig:
 
 
 def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True) -> str:
-    """Store the conversation's memory under its own user (and encode its KV); returns that user id."""
+    """Store the conversation's memory under its own user (and encode all its KV); returns that user id."""
     user = f"locomo-{conv['sample_id']}-{cfg.memory}-w{cfg.window_size}"
     if not mem.get_all(user_id=user, limit=1):  # else stored by an earlier (maybe interrupted) run
         _store(mem, conv, cfg, user)
-    if not encode:
-        return user
+    if encode:
+        _encode(mem, mem.get_all(user_id=user, limit=10_000))
+    return user
+
+
+def encode_read(mem, user: str, questions: list[dict], cfg: EvalConfig) -> None:
+    """Encode the facts these questions will read, and no others: retrieval needs no KV, and a
+    sample of 10 questions reads a few hundred of a conversation's thousands of turns. Codec
+    copies re-code every stored blob, so with codecs all the user's facts are encoded."""
+    if cfg.codecs:
+        records = mem.get_all(user_id=user, limit=10_000)
+    else:
+        records = list({r.id: r for q in questions for r in retrieve(mem, user, q, cfg)}.values())
+    _encode(mem, records)
+
+
+def _encode(mem, records: list) -> None:
     # Encoded for this model: facts stored under another model (same home) have no blob of ours.
-    pending = [r for r in mem.get_all(user_id=user, limit=10_000) if r.kv_status != "encoded"]
+    pending = [r for r in records if r.kv_status != "encoded"]
     if pending:
         mem.encoder.encode(pending, progress=True)
-    return user
 
 
 def _store(mem, conv: dict, cfg: EvalConfig, user: str) -> None:
@@ -129,7 +144,7 @@ def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | Non
     found = set().union(*(dia_ids_of(r) for r in records)) if records else set()
     evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
     gold = str(q["answer"])
-    row = {"question": q["question"], "answer": gold, "category": q["category"],
+    row = {"question": q["question"], "answer": gold, "category": q["category"], "fact_ids": ids,
            "recall": len(evidence & found) / len(evidence) if evidence else None}
     # With a reader adapter, "kv" reads with it and "kv_plain" is the same chat without it.
     modes = MODES + (("kv_plain",) if mem.engine.reader_adapter else ())
@@ -179,9 +194,11 @@ def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
         raise SystemExit("comparing codecs re-codes lossless blobs: run with the default codec (none)")
     jobs, copies = [], {}
     for conv in convs:
-        user = build_memory(mem, conv, cfg)
+        user = build_memory(mem, conv, cfg, encode=False)
         qs = locomo.sample_questions(conv, cfg.limit, cfg.seed)
         todo = [(user, conv["sample_id"], i, q) for i, q in qs if f"{conv['sample_id']}#{i}" not in done]
+        if todo:
+            encode_read(mem, user, [q for *_, q in todo], cfg)
         if todo and cfg.codecs:
             copies[user] = codec_copies(mem, user, cfg.codecs)
         jobs += todo

@@ -80,15 +80,20 @@ def test_locomo_eval_never_resumes_from_another_models_log(mem, tmp_path, locomo
     """Two models sharing a home: the second must answer itself and encode the stored facts
     for its own KV (it once took the first model's log as done and served KV mode as text)."""
     cfg = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=2, workers=2, ranking="dense")
-    user = eval_locomo.build_memory(mem, locomo.load(locomo_path)[0], cfg)
+    user = eval_locomo.build_memory(mem, locomo.load(locomo_path)[0], cfg, encode=False)
     bogus = "".join(json.dumps({"key": f"conv-26#{i}", "bogus": True}) + "\n" for i in range(50))
     for name in (f"{cfg.name}.jsonl", f"{cfg.name}.{'0' * 12}.jsonl"):  # unkeyed (as logs were), another model's
         (tmp_path / name).write_text(bogus)
-    mem.kv.delete(mem.get_all(user_id=user, limit=1)[0].id)  # as if encoded by another model only
-    mem.facts.set_kv_status(mem.get_all(user_id=user, limit=1)[0].id, "pending")
+    for record in mem.get_all(user_id=user, limit=10_000):  # as if encoded by another model only
+        mem.kv.delete(record.id)
+        mem.facts.set_kv_status(record.id, "pending")
     rows = eval_locomo.run(mem, cfg, tmp_path)
     assert len(rows) == 2 and not any(r.get("bogus") for r in rows)
-    assert all(r.kv_status == "encoded" for r in mem.get_all(user_id=user, limit=10_000))
+    read = {i for r in rows for i in r["fact_ids"]}
+    status = {r.id: r.kv_status for r in mem.get_all(user_id=user, limit=10_000)}
+    assert read and all(status[i] == "encoded" for i in read)
+    # Only what the sampled questions read was encoded: the rest of the conversation waits.
+    assert {s for i, s in status.items() if i not in read} == {"pending"}
     assert (tmp_path / f"{cfg.name}.{mem.model.fingerprint[:12]}.jsonl").exists() and cfg.name.endswith("-dense")
 
 
