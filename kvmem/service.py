@@ -406,13 +406,14 @@ class KVMem:
     def chat_stream(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
                     run_id: str | None = None, k: int = 10, filters: dict | None = None,
                     fact_ids: list[str] | None = None, mode: str = "kv", max_tokens: int = 64,
-                    logprobs: int | None = None, cancel: threading.Event | None = None) -> Iterator[str | ChatResult]:
+                    logprobs: int | None = None, cancel: threading.Event | None = None,
+                    text_facts: int | None = None) -> Iterator[str | ChatResult]:
         """Like chat, streaming: yields text deltas as they are generated, then the ChatResult.
 
         Closing the generator early, or setting `cancel`, aborts the generation.
         """
         facts, request, retrieval_s = self._prepare(messages, user_id, agent_id, run_id, k, filters, fact_ids,
-                                                    mode, max_tokens, logprobs)
+                                                    mode, max_tokens, logprobs, text_facts)
         for item in self._need_engine().stream(request, cancel=cancel):
             yield item if isinstance(item, str) else self._finish(item, facts, mode, user_id, retrieval_s)
 

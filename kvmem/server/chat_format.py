@@ -35,7 +35,7 @@ def _scope(body: ChatRequest, tenant: Tenant) -> dict:
                            param="memory.user_id", code="missing_required_parameter")
         return {"user_id": tenant.anonymous, "mode": "off"}
     return {"user_id": tenant.user_id(user, param), "agent_id": opts.agent_id, "run_id": opts.run_id,
-            "k": opts.k, "mode": opts.mode, "filters": opts.filters}
+            "k": opts.k, "mode": opts.mode, "filters": opts.filters, "text_facts": opts.text_facts}
 
 
 def kvmem_messages(messages: list[ChatMessage]) -> list[dict]:

@@ -43,6 +43,7 @@ class MemoryOptions(_Strict):
     k: int = Field(5, ge=1, le=100)
     mode: Mode = "kv"
     filters: dict[str, Any] | None = None
+    text_facts: int | None = Field(None, ge=0, le=100)  # None: the server's kv.text_facts
 
 
 class StreamOptions(_Open):

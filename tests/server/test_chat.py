@@ -75,3 +75,18 @@ def test_metrics_after_chats(server, openai_client):
                  'kvmem_kv_tier_hits_total{tier="disk"}', 'kvmem_kv_tier_misses_total{tier="ram"}',
                  'kvmem_kv_tier_budget_bytes{tier="ram"}', "kvmem_kv_evictions_total", "kvmem_kv_readmissions_total"):
         assert name in text, name
+
+
+def test_memory_text_facts_prefills_the_last_facts_as_text(openai_client, alpha):
+    def injected(text_facts: int, stream: bool = False) -> int:
+        user = f"chat-user-text-facts-{text_facts}"  # a user each: no prefix-cache hit on another call's KV
+        _store(alpha, user)
+        memory = {"user_id": user, "k": 2, "mode": "kv", "text_facts": text_facts}
+        r = openai_client.chat.completions.create(model="kvmem", messages=[{"role": "user", "content": QUESTION}],
+                                                  max_tokens=4, stream=stream, extra_body={"memory": memory})
+        final = [c for c in r if c.choices and c.choices[0].finish_reason][0] if stream else r
+        assert final.model_extra["memory"]["mode"] == "kv" and len(final.model_extra["memory"]["fact_ids"]) == 2
+        return final.model_extra["memory"]["injected_tokens"]
+
+    # Each fact taken out of the plan lowers the count; the system header stays injected.
+    assert injected(0) > injected(1) > injected(2, stream=True) > 0

@@ -20,6 +20,7 @@ CHAT = {"model": "kvmem", "messages": [{"role": "user", "content": "hi"}], "user
     ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
     ("/v1/chat/completions", {**CHAT, "stop": ["\n"]}, "stop"),
     ("/v1/chat/completions", {**CHAT, "memory": {"user_id": "u", "mode": "fast"}}, "memory.mode"),
+    ("/v1/chat/completions", {**CHAT, "memory": {"user_id": "u", "text_facts": -1}}, "memory.text_facts"),
     ("/v1/chat/completions", {**CHAT, "user": ""}, "user"),
     ("/v1/memories", {"facts": ["x"]}, "user_id"),
     ("/v1/memories", {"user_id": "u", "facts": ["x"], "metadata": "not an object"}, "metadata"),
