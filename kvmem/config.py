@@ -84,7 +84,8 @@ class KVConfig:
         from kvmem.kv.codec import check_codec
 
         check_codec(self.codec)
-        if not (isinstance(self.text_facts, int) and self.text_facts >= 0):
+        # bool is an int to Python, not a count: True must not mean "one fact".
+        if not (isinstance(self.text_facts, int) and not isinstance(self.text_facts, bool) and self.text_facts >= 0):
             raise ValueError(f"kv.text_facts must be an int >= 0, got {self.text_facts!r}")
         for name in ("disk_budget_mib", "tenant_quota_mib"):
             value = getattr(self, name)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvmem.config import Config, RetrievalConfig
+from kvmem.config import Config, KVConfig, RetrievalConfig
 
 
 def test_retrieval_comes_from_the_environment(monkeypatch):
@@ -35,3 +35,5 @@ def test_kv_text_facts_comes_from_the_environment_and_must_be_a_count(monkeypatc
         monkeypatch.setenv("KVMEM_KV_TEXT_FACTS", bad)
         with pytest.raises(ValueError, match="text_facts must be an int >= 0|invalid literal"):
             Config.from_env()
+    with pytest.raises(ValueError, match="text_facts must be an int >= 0"):
+        KVConfig(text_facts=True)  # as the service refuses it per chat
