@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +235,13 @@ def test_tune_reader_memories_are_checked_and_kept_in_order_once(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse(["tune-reader", "--memory", "observations,facts"])
     assert exit_.value.code == 2 and "expected names among observations,turns,both" in capsys.readouterr().err
+
+
+def test_tune_reader_refuses_a_model_whose_rotary_it_cannot_move_before_any_work(kvmem, model_dir, tmp_path):
+    """A partial-rotary model (Phi-3) used to be trained anyway, and its map refused at serving."""
+    from tests.engine.test_families import make_model_dir
+
+    phi3 = make_model_dir(tmp_path, "phi3", Path(model_dir))
+    with pytest.raises(SystemExit) as exit_:
+        kvmem("--model", str(phi3), "tune-reader", "--data", str(tmp_path / "no-such-locomo.json"))
+    assert "rotary embeddings span 32 of the head's 64 dims" in str(exit_.value)

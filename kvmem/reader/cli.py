@@ -104,6 +104,8 @@ def tune_config(args: argparse.Namespace):
 def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     from kvmem.reader import adapters, kvmap, lora
     from kvmem.reader.examples import locomo_examples
+    from kvmem.errors import UnsupportedConfigError
+    from kvmem.reader.lab import check_rotary
     from kvmem.reader.train import eos_ids, evaluate, load_model, tune
     from kvmem.service import KVMem
 
@@ -115,6 +117,11 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     except ValueError as e:
         raise SystemExit(f"kvmem tune-reader: {e}") from e
     with KVMem(config, start_engine=False, background=False) as mem:
+        model = load_model(mem.model.path)
+        try:
+            check_rotary(model)  # before gathering examples: minutes, for a model it cannot train
+        except UnsupportedConfigError as e:
+            raise SystemExit(f"kvmem tune-reader: {e}") from e
         train, held = [], {}
         for memory in args.memory:
             train += [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, memory=memory,
@@ -128,7 +135,6 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
                                                                 seed=args.seed)]
         model_info, eos = mem.model, eos_ids(mem.prompts.tokenizer)
     out = args.out or adapters.user_folder(config.home, model_info.fingerprint)
-    model = load_model(model_info.path)
     meta = {"fingerprint": model_info.fingerprint, "model": str(model_info.path),
             "conversations": list(args.conversations), "memory": list(args.memory), "k": args.k,
             "trained_at": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -61,6 +61,27 @@ def rotary(model):
     return rope
 
 
+# Hugging Face model types whose RoPE rotates neighbouring dims (2i, 2i + 1) together, where the
+# lab's re-rotation and the KV map pair dim i with i + D/2 (neox, rotate_half).
+_INTERLEAVED = frozenset({"cohere", "cohere2", "glm", "glm4", "chatglm", "gptj", "codegen"})
+
+
+def check_rotary(model) -> None:
+    """Refuse a model the lab cannot move keys for: its rotary must be neox-style and span the
+    whole head, as kvmem's KV map also needs at serving (engine/worker_side.py). Called before
+    any training, so a mismatch costs seconds, not a training run."""
+    cfg = model.config
+    if cfg.model_type in _INTERLEAVED:
+        raise UnsupportedConfigError(f"{cfg.model_type}: interleaved rotary embeddings; the reader's "
+                                     "training and KV map need neox-style (rotate-half) rotation")
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    probe = torch.zeros(1, 1, head)
+    cos, _ = rotary(model)(probe, torch.zeros(1, 1, dtype=torch.long))  # [1, 1, rotary_dim]
+    if cos.shape[-1] != head:
+        raise UnsupportedConfigError(f"{cfg.model_type}: rotary embeddings span {cos.shape[-1]} of the head's "
+                                     f"{head} dims; the reader's training and KV map need all of them rotated")
+
+
 def move_keys(model, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """keys [b, heads, n, d] rotated at p -> rotated at p + delta; delta [b, n] ints."""
     cos, sin = rotary(model)(keys, delta)  # [b, n, d] each

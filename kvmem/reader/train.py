@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from kvmem.reader import kvmap, lora
-from kvmem.reader.lab import Example, FactKV, memory_cache, reply_logits, teacher_reply
+from kvmem.reader.lab import Example, FactKV, check_rotary, memory_cache, reply_logits, teacher_reply
 from kvmem.reader.measure import kl_per_token
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ def tune(model, examples: list[Example], eos: set[int], out: Path, cfg: TuneConf
     """Train the adapter on `examples` and save it to `out` (PEFT layout + kvmem.json)."""
     if not examples:
         raise ValueError("no training examples")
+    check_rotary(model)
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     for p in model.parameters():  # the base model stays frozen (attach freezes it too)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kvmem.reader import lab
 from kvmem.reader.lab import KVMEM, FactKV, Layout, memory_cache, move_keys, reply_logits
 from tests.reader.conftest import FACTS
 
@@ -65,3 +67,30 @@ def test_several_facts_read_apart_differ_from_text(hf_model, make_example):
     text = reply_logits(hf_model, ex, reply)
     kv = reply_logits(hf_model, ex, reply, memory_cache(hf_model, ex))
     assert (text - kv).abs().max() > 1e-2
+
+
+def _tiny(config_cls, **extra):
+    from transformers import AutoModelForCausalLM
+
+    cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=2, **extra)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_the_bundled_model_has_a_rotary_the_lab_can_move(hf_model):
+    lab.check_rotary(hf_model)
+
+
+@pytest.mark.parametrize("kind", ["partial", "interleaved"])
+def test_a_rotary_the_lab_cannot_move_is_refused_before_training(kind, make_example, eos, tmp_path):
+    """tune-reader used to train such a model (or crash mid-run on a shape) and leave a map
+    that serving then refused."""
+    from transformers import CohereConfig, Phi3Config
+
+    from kvmem.errors import UnsupportedConfigError
+    from kvmem.reader.train import TuneConfig, tune
+
+    model = _tiny(Phi3Config, partial_rotary_factor=0.5, pad_token_id=0) if kind == "partial" else _tiny(CohereConfig)
+    with pytest.raises(UnsupportedConfigError, match="span 8 of the head's 16" if kind == "partial" else "interleaved"):
+        tune(model, [make_example()], eos, tmp_path / "adapter", TuneConfig(), {})
+    assert not (tmp_path / "adapter").exists()
