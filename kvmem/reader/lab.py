@@ -12,6 +12,7 @@ position p to serving position q is one more rotation by q - p.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -74,9 +75,16 @@ def check_rotary(model) -> None:
     if cfg.model_type in _INTERLEAVED:
         raise UnsupportedConfigError(f"{cfg.model_type}: interleaved rotary embeddings; the reader's "
                                      "training and KV map need neox-style (rotate-half) rotation")
+    rope = rotary(model)
+    if len(inspect.signature(rope.forward).parameters) > 2:
+        # e.g. Gemma 3: sliding-window and global layers rotate with different bases; the lab
+        # moves every layer's keys with one table.
+        raise UnsupportedConfigError(f"{cfg.model_type}: rotary embeddings that differ per layer "
+                                     f"({', '.join(inspect.signature(rope.forward).parameters)}); the reader's "
+                                     "training moves keys with one table for all layers")
     head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     probe = torch.zeros(1, 1, head)
-    cos, _ = rotary(model)(probe, torch.zeros(1, 1, dtype=torch.long))  # [1, 1, rotary_dim]
+    cos, _ = rope(probe, torch.zeros(1, 1, dtype=torch.long))  # [1, 1, rotary_dim]
     if cos.shape[-1] != head:
         raise UnsupportedConfigError(f"{cfg.model_type}: rotary embeddings span {cos.shape[-1]} of the head's "
                                      f"{head} dims; the reader's training and KV map need all of them rotated")

@@ -81,16 +81,21 @@ def test_the_bundled_model_has_a_rotary_the_lab_can_move(hf_model):
     lab.check_rotary(hf_model)
 
 
-@pytest.mark.parametrize("kind", ["partial", "interleaved"])
+REFUSED = {"partial": "span 8 of the head's 16", "interleaved": "interleaved", "per-layer": "differ per layer"}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
 def test_a_rotary_the_lab_cannot_move_is_refused_before_training(kind, make_example, eos, tmp_path):
-    """tune-reader used to train such a model (or crash mid-run on a shape) and leave a map
-    that serving then refused."""
-    from transformers import CohereConfig, Phi3Config
+    """tune-reader used to train such a model (or crash mid-run on a shape or a missing
+    argument) and, for the first two, leave a map that serving then refused."""
+    from transformers import CohereConfig, Gemma3TextConfig, Phi3Config
 
     from kvmem.errors import UnsupportedConfigError
     from kvmem.reader.train import TuneConfig, tune
 
-    model = _tiny(Phi3Config, partial_rotary_factor=0.5, pad_token_id=0) if kind == "partial" else _tiny(CohereConfig)
-    with pytest.raises(UnsupportedConfigError, match="span 8 of the head's 16" if kind == "partial" else "interleaved"):
+    model = {"partial": lambda: _tiny(Phi3Config, partial_rotary_factor=0.5, pad_token_id=0),
+             "interleaved": lambda: _tiny(CohereConfig),
+             "per-layer": lambda: _tiny(Gemma3TextConfig, head_dim=16)}[kind]()
+    with pytest.raises(UnsupportedConfigError, match=REFUSED[kind]):
         tune(model, [make_example()], eos, tmp_path / "adapter", TuneConfig(), {})
     assert not (tmp_path / "adapter").exists()
