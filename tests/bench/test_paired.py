@@ -32,3 +32,25 @@ def test_the_command_writes_its_json(tmp_path, capsys):
     assert "2 questions in both" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         paired.main(["only-one.jsonl"])
+
+
+def test_plain_compares_kv_without_the_reader_against_kv_with_it_in_one_run(tmp_path, capsys):
+    def first(f1, agree, kl):
+        return {"f1": f1, "ll": -1.0}, agree, kl
+
+    rows = []
+    for i, (plain, reader) in enumerate([(first(0.2, True, 0.3), first(0.5, True, 0.1)),
+                                         (first(0.4, True, 0.2), first(0.1, False, 0.1))]):
+        rows.append({"key": f"c#{i}", "recall": 1.0, "text": {"f1": 0.3, "ll": -1.0},
+                     "kv": reader[0], "top1_agree": reader[1], "kl_text_kv": reader[2],
+                     "kv_plain": plain[0], "top1_agree_plain": plain[1], "kl_text_kv_plain": plain[2]})
+    (tmp_path / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paired.main(["--plain", str(tmp_path / "run.jsonl"), str(tmp_path / "out.json")])
+    m = json.loads((tmp_path / "out.json").read_text())["metrics"]
+    assert m["kv.f1"]["a"] == pytest.approx(0.3) and m["kv.f1"]["b"] == pytest.approx(0.3)
+    assert (m["kv.f1"]["up"], m["kv.f1"]["down"]) == (1, 1)
+    assert m["top1_agree"]["diff"] == pytest.approx(-0.5) and m["kl_text_kv"]["diff"] == pytest.approx(-0.15)
+    assert m["text.f1"]["diff"] == 0  # the same text answers on both sides
+    with pytest.raises(SystemExit, match="kv_plain"):
+        (tmp_path / "bare.jsonl").write_text(json.dumps(row("c#0", 0.1)) + "\n")
+        paired.main(["--plain", str(tmp_path / "bare.jsonl")])
