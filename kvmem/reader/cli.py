@@ -102,9 +102,9 @@ def tune_config(args: argparse.Namespace):
 
 
 def cmd_tune_reader(args: argparse.Namespace, config) -> int:
+    from kvmem.errors import UnsupportedConfigError
     from kvmem.reader import adapters, kvmap, lora
     from kvmem.reader.examples import locomo_examples
-    from kvmem.errors import UnsupportedConfigError
     from kvmem.reader.lab import check_rotary
     from kvmem.reader.train import eos_ids, evaluate, load_model, tune
     from kvmem.service import KVMem
