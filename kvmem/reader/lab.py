@@ -76,12 +76,13 @@ def check_rotary(model) -> None:
         raise UnsupportedConfigError(f"{cfg.model_type}: interleaved rotary embeddings; the reader's "
                                      "training and KV map need neox-style (rotate-half) rotation")
     rope = rotary(model)
-    if len(inspect.signature(rope.forward).parameters) > 2:
+    params = list(inspect.signature(rope.forward).parameters)
+    if len(params) > 2:
         # e.g. Gemma 3: sliding-window and global layers rotate with different bases; the lab
         # moves every layer's keys with one table.
         raise UnsupportedConfigError(f"{cfg.model_type}: rotary embeddings that differ per layer "
-                                     f"({', '.join(inspect.signature(rope.forward).parameters)}); the reader's "
-                                     "training moves keys with one table for all layers")
+                                     f"({', '.join(params)}); the reader's training moves keys with one "
+                                     "table for all layers")
     head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     probe = torch.zeros(1, 1, head)
     cos, _ = rope(probe, torch.zeros(1, 1, dtype=torch.long))  # [1, 1, rotary_dim]
