@@ -27,12 +27,13 @@ import numpy as np
 from kvmem.bench import locomo
 from kvmem.bench.eval_locomo import dia_ids_of
 from kvmem.bench.eval_retrieval import novel
+from kvmem.config import RetrievalConfig
 from kvmem.facts.text import search_text
 from kvmem.index.fusion import linear
 from kvmem.index.lexical import terms
 
 TUNING = ("conv-26", "conv-30", "conv-41")
-DENSE_WEIGHT = 0.55  # the shipped fusion weight
+SHIPPED = RetrievalConfig()  # the service's fusion weight and depth
 HYDE_SYSTEM = "Answer the question in one or two sentences, as the person in the chat would say it."
 
 
@@ -56,9 +57,10 @@ def build_cache(mem, data: Path) -> dict:
     return out
 
 
-def bm25(counts: list[Counter], qterms, k1: float = 1.5, b: float = 0.75) -> np.ndarray:
-    """Lucene's BM25 of each fact for the query terms ({term: weight} weighs each term)."""
-    weights = qterms if isinstance(qterms, dict) else Counter(qterms)
+def bm25(counts: list[Counter], qterms: list[str], k1: float = 1.5, b: float = 0.75) -> np.ndarray:
+    """Lucene's BM25 of each fact for the query terms, over all facts (kvmem.index.lexical keeps
+    only its top hits; a variant here needs every fact's score)."""
+    weights = Counter(qterms)
     lengths = np.array([sum(c.values()) for c in counts], float)  # [n]
     df = Counter(t for c in counts for t in c)
     scores = np.zeros(len(counts))
@@ -70,7 +72,7 @@ def bm25(counts: list[Counter], qterms, k1: float = 1.5, b: float = 0.75) -> np.
     return scores
 
 
-def fuse(cos: np.ndarray, lex: np.ndarray, w: float = DENSE_WEIGHT, depth: int = 100) -> list[int]:
+def fuse(cos: np.ndarray, lex: np.ndarray, w: float = SHIPPED.dense_weight, depth: int = SHIPPED.depth) -> list[int]:
     """The service's linear fusion over the top `depth` of each ranking."""
     cand = sorted(set(np.argsort(-cos)[:depth].tolist()) | {i for i in np.argsort(-lex)[:depth] if lex[i] > 0})
     hits = linear({str(i): float(cos[i]) for i in cand}, {str(i): float(lex[i]) for i in cand}, len(cand), w)
