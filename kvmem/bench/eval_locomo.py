@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvmem.bench import locomo
 from kvmem.bench.metrics import locomo_f1, top20_kl
-from kvmem.facts.messages import turn_text
+from kvmem.errors import InvalidInputError
 
 MODES = ("text", "kv", "off")
 
@@ -28,7 +28,7 @@ MODES = ("text", "kv", "off")
 # Observations are written to stand alone; encoding them after their evidence turns brought the
 # first token closer to text mode but lost log-likelihood and temporal F1, so by default they
 # get no context.
-# With both stored, `window` is the turns' window and observations keep none.
+# With both stored, `window` is the turns' window and `observation_window` the observations' (0).
 DEFAULT_WINDOW = {"observations": 0, "turns": 2, "both": 2}
 
 
@@ -46,26 +46,47 @@ class EvalConfig:
     ranking: str | None = None  # None: the service's configured retrieval (hybrid by default)
     codecs: tuple[str, ...] = ()  # KV codecs to answer with too, re-coded from the lossless blobs
     text_facts: int = 0  # the last facts KV mode prefills as text (the service's kv.text_facts, set by the caller)
+    observation_window: int | None = None  # with memory "both": the observations' window (None: 0)
+
+    def __post_init__(self):
+        if self.observation_window is not None and self.memory != "both":
+            raise InvalidInputError("observation_window is for memory 'both'; with observations alone, "
+                                    f"window is the observations' window (memory {self.memory!r})")
+        if self.observation_window is not None and (not isinstance(self.observation_window, int)
+                                                    or self.observation_window < 0):
+            raise InvalidInputError(f"observation_window must be an int >= 0, got {self.observation_window!r}")
 
     @property
     def window_size(self) -> int:
         return DEFAULT_WINDOW[self.memory] if self.window is None else self.window
 
     @property
+    def observation_window_size(self) -> int:
+        """The turns an observation is stored after: `window` with observations alone."""
+        if self.memory == "observations":
+            return self.window_size
+        return self.observation_window or DEFAULT_WINDOW["observations"]
+
+    @property
+    def memory_name(self) -> str:
+        """"both-w2", and "-o1" after it when observations are stored after their turn too."""
+        o = self.observation_window_size if self.memory == "both" else 0
+        return f"{self.memory}-w{self.window_size}" + (f"-o{o}" if o else "")
+
+    @property
     def name(self) -> str:
-        w = f"-w{self.window_size}"
         sample = (f"-limit{self.limit}" + (f"-seed{self.seed}" if self.seed else "")) if self.limit else ""
         # A subset is part of the name, so resuming one run never mixes in another's questions.
         subset = "-" + "+".join(sorted(self.conversations)) if self.conversations else ""
         ranking = f"-{self.ranking}" if self.ranking else ""
         codecs = "-codecs-" + "+".join(self.codecs) if self.codecs else ""
         text = f"-text-facts-{self.text_facts}" if self.text_facts else ""
-        return f"locomo-{self.memory}{w}-k{self.k}{sample}{subset}{ranking}{codecs}{text}"
+        return f"locomo-{self.memory_name}-k{self.k}{sample}{subset}{ranking}{codecs}{text}"
 
 
 def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True) -> str:
     """Store the conversation's memory under its own user (and encode all its KV); returns that user id."""
-    user = f"locomo-{conv['sample_id']}-{cfg.memory}-w{cfg.window_size}"
+    user = f"locomo-{conv['sample_id']}-{cfg.memory_name}"
     if not mem.get_all(user_id=user, limit=1):  # else stored by an earlier (maybe interrupted) run
         _store(mem, conv, cfg, user)
     if encode:
@@ -93,9 +114,8 @@ def _encode(mem, records: list) -> None:
 
 def _store(mem, conv: dict, cfg: EvalConfig, user: str) -> None:
     if cfg.memory in ("observations", "both"):
-        window = cfg.window_size if cfg.memory == "observations" else DEFAULT_WINDOW["observations"]
         for o in locomo.observations(conv):
-            context = _observation_context(mem, conv, o, window)
+            context = locomo.observation_context(conv, o, cfg.observation_window_size, mem.config.prompt.fact_template)
             mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)},
                     context=context, encode="none")
     if cfg.memory in ("turns", "both"):
@@ -103,13 +123,6 @@ def _store(mem, conv: dict, cfg: EvalConfig, user: str) -> None:
             messages = [locomo.message(conv, t, date) for t in turns]
             mem.add(messages, user_id=user, metadata={"session": n}, window=cfg.window_size,
                     encode="none")
-
-
-def _observation_context(mem, conv: dict, o: locomo.Observation, window: int) -> str:
-    """Context-Window Encoding for an observation: the turns it sums up, rendered as turn facts are."""
-    template = mem.config.prompt.fact_template
-    return "".join(template.format(text=turn_text(locomo.message(conv, t, date)))
-                   for t, date in locomo.turns_before(conv, o.dia_ids, window))
 
 
 def dia_ids_of(record) -> set[str]:

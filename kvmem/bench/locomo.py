@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmem.errors import InvalidInputError
+from kvmem.facts import messages
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "locomo" / "locomo_dev.json"
 
@@ -61,6 +62,13 @@ def turns_before(conversation: dict, dia_ids: tuple[str, ...], window: int) -> l
         return []
     end = min(found) + 1
     return order[max(0, end - window) : end]
+
+
+def observation_context(conversation: dict, o: Observation, window: int, fact_template: str) -> str:
+    """Context-Window Encoding for an observation: the `window` turns ending at its evidence, rendered
+    as a turn fact's context is (`fact_template` per turn). Window 1 is the turn it restates."""
+    return "".join(fact_template.format(text=messages.turn_text(message(conversation, t, date)))
+                   for t, date in turns_before(conversation, o.dia_ids, window))
 
 
 def message(conversation: dict, turn: dict, date: str) -> dict:

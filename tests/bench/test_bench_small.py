@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from kvmem.bench import eval_locomo, eval_report, load, locomo, oracle, ttft
+from kvmem.errors import InvalidInputError
 
 
 def test_oracle_bench_finds_k1_exact(mem, tmp_path):
@@ -139,3 +142,16 @@ def test_locomo_eval_with_both_memories_stores_observations_bare_and_turns_after
     assert all(not r.context for r in observations)  # observations stand alone, as in "observations"
     assert all(r.context for r in turns if r.position)  # every turn but a session's first has turns before it
     assert user.endswith("-both-w2") and cfg.name.startswith("locomo-both-w2-k3")
+
+
+def test_locomo_eval_with_both_memories_can_store_observations_after_their_turn(mem, locomo_path):
+    conv = locomo.load(locomo_path)[0]
+    cfg = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=2, memory="both", observation_window=1)
+    user = eval_locomo.build_memory(mem, conv, cfg, encode=False)
+    observations = [r for r in mem.get_all(user_id=user, limit=10_000) if "dia_ids" in r.metadata]
+    assert observations and all(r.context.count("\n") == 1 for r in observations)  # one turn each
+    assert user.endswith("-both-w2-o1") and cfg.name.startswith("locomo-both-w2-o1-k3")
+    assert eval_locomo.EvalConfig(locomo_path, memory="both", observation_window=0).name.startswith("locomo-both-w2-k")
+    for bad in (dict(memory="observations", observation_window=1), dict(memory="both", observation_window=-1)):
+        with pytest.raises(InvalidInputError):
+            eval_locomo.EvalConfig(locomo_path, **bad)

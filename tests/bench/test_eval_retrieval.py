@@ -43,3 +43,19 @@ def test_novel_hits_never_lower_recall_at_the_largest_k(mem, locomo_path):
     assert novel["recall"]["dense"]["overall"][top] >= plain["recall"]["dense"]["overall"][top]
     with pytest.raises(InvalidInputError):
         eval_retrieval.run(mem, locomo_path, ("conv-26",), memory="everything")
+
+
+def test_observations_are_stored_after_the_turn_they_restate_with_an_observation_window(mem, locomo_path):
+    conv = next(c for c in locomo.load(locomo_path) if c["sample_id"] == "conv-26")
+    bare = mem.get_all(user_id=eval_retrieval.build(mem, conv, "observations"), limit=10_000)
+    user = eval_retrieval.build(mem, conv, "both", observation_window=1)
+    assert user.endswith("-both-w2-o1")
+    records = mem.get_all(user_id=user, limit=10_000)
+    turns = {f"D{r.metadata['session']}:{r.position + 1}": r.text for r in records if "session" in r.metadata}
+    observations = [r for r in records if "dia_ids" in r.metadata]
+    assert all(not r.context for r in bare) and len(observations) == len(bare)
+    for r in observations:  # the context is the first evidence turn, as its turn fact shows it
+        first = min(r.metadata["dia_ids"], key=lambda d: tuple(int(x) for x in d[1:].split(":")))
+        assert r.context == mem.config.prompt.fact_template.format(text=turns[first])
+    with pytest.raises(InvalidInputError):
+        eval_retrieval.run(mem, locomo_path, ("conv-26",), memory="both", observation_window=-1)
