@@ -91,6 +91,8 @@ def cmd_add(args: argparse.Namespace, config: Config) -> int:
         raise InvalidInputError("--window applies to --messages only")
     if args.timestamp is not None and args.messages is not None:
         raise InvalidInputError("--timestamp applies to facts; messages carry their own")
+    if args.origin is not None and args.messages is not None:
+        raise InvalidInputError("--origin applies to facts; a conversation's turns are their own origin")
     metadata = _json_arg("--metadata", args.metadata, dict)
     messages = _read_messages(args.messages) if args.messages is not None else None
     scope = {"user_id": args.user, "agent_id": args.agent, "run_id": args.run}
@@ -101,7 +103,7 @@ def cmd_add(args: argparse.Namespace, config: Config) -> int:
                              encode="none" if args.no_encode else "sync")
         else:
             result = mem.add(facts=list(args.facts), **scope, metadata=metadata, timestamp=args.timestamp,
-                             encode="none" if args.no_encode else "sync")
+                             origin=args.origin or "", encode="none" if args.no_encode else "sync")
         seen: set[str] = set()
         for fact_id in result.ids:
             record = mem.get(fact_id)
@@ -356,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --messages: turns of context each turn is encoded after (default: 2)")
     p.add_argument("--timestamp", metavar="WHEN",
                    help="with facts: when they held, shown before each ('2023-05-09' reads as '9 May 2023')")
+    p.add_argument("--origin", metavar="TEXT",
+                   help="with facts: the message they were drawn from; they are searched with it, never encoded after it")
     p.add_argument("--no-encode", action="store_true",
                    help="store and index only, without starting the engine; KV is encoded the next time one starts")
     p.set_defaults(func=cmd_add)

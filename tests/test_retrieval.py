@@ -25,8 +25,8 @@ def mem(tmp_path, model_dir):
 
 def rebuilt(mem) -> LexicalIndex:
     fresh = LexicalIndex()
-    for fact_id, _, text, context, _ in mem.facts.texts():
-        fresh.add(mem.get(fact_id).scope.user_id, [fact_id], [search_text(text, context)])
+    for fact_id, _, text, context, origin, _ in mem.facts.texts():
+        fresh.add(mem.get(fact_id).scope.user_id, [fact_id], [search_text(text, context, origin)])
     return fresh
 
 
@@ -50,7 +50,8 @@ def test_a_fact_named_by_the_query_is_found(mem):
 
 def test_lexical_index_follows_updates_deletes_and_filters(mem):
     ids = mem.add(facts=CARS + [BERTHA], user_id="u", metadata={"topic": "cars"}, encode="none").ids
-    mem.add(facts=["Maya started a pottery class."], user_id="u", metadata={"topic": "hobby"}, encode="none")
+    mem.add(facts=["Maya started a pottery class."], user_id="u", metadata={"topic": "hobby"}, encode="none",
+            origin="Maya: I signed up for a class where we throw clay, my first bowl is drying")
     mem.add(facts=["Bertha is Tom's grandmother."], user_id="other", encode="none")
     assert_in_step(mem, "u")
     mem.update(ids[-1], "Maya drives an old blue Volvo that she calls Greta.")
@@ -152,3 +153,24 @@ def test_reembed_brings_a_home_written_the_old_way_up_to_date(tmp_path, model_di
         want = fact_vectors(mem.embedder, [r.text for r in records], [r.context for r in records])
         assert np.allclose(np.stack([r.embedding for r in records]), want, atol=1e-6)
         assert np.array_equal(mem.get(other[2]).embedding, stale)  # user w was not asked for
+
+
+def test_a_fact_is_found_by_the_words_of_its_origin_and_encoded_without_it(mem):
+    said = "Caroline: I went to an LGBTQ support group yesterday and it was so powerful."
+    (plain,) = mem.add(facts=["Caroline went to a support group."], user_id="a", encode="none").ids
+    (drawn,) = mem.add(facts=["Caroline went to a support group."], user_id="b", encode="none", origin=said).ids
+    assert mem.search("LGBTQ", user_id="a", k=1, ranking="lexical") == []
+    assert mem.search("LGBTQ", user_id="b", k=1, ranking="lexical")[0].id == drawn
+    hits = mem.search("Who felt powerful at the LGBTQ meeting?", user_id="b", k=1, ranking="dense")
+    assert hits[0].text == "Caroline went to a support group."  # hits show the fact, not its origin
+    record = mem.get(drawn)
+    assert record.context == mem.get(plain).context == "" and record.origin == said  # its KV: as without
+    assert not (record.embedding == mem.get(plain).embedding).all()
+    mem.update(drawn, "Caroline went to a support group again.")  # an update keeps the origin
+    assert mem.search("LGBTQ", user_id="b", k=1, ranking="lexical")[0].id == drawn
+    assert mem.reembed(user_id="b") == 1
+    assert mem.search("LGBTQ", user_id="b", k=1, ranking="lexical")[0].id == drawn
+    with pytest.raises(InvalidInputError, match="origin applies to facts"):
+        mem.add([{"role": "user", "content": "hi"}], user_id="b", origin=said)
+    with pytest.raises(InvalidInputError, match="origin must be a string"):
+        mem.add(facts=["x"], user_id="b", origin=None)

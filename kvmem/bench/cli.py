@@ -103,6 +103,8 @@ def add_parsers(sub) -> None:
     lc.add_argument("--observation-window", type=_non_negative_int, default=None,
                     help="with --memory both: turns ending at its evidence that an observation is stored, "
                          "searched and encoded after (default: 0; 1 is the turn it restates)")
+    lc.add_argument("--observation-origin", action="store_true",
+                    help="observations: the turn each restates is its origin (searched with it, not encoded)")
     lc.add_argument("--limit", type=int, default=40,
                     help="questions per conversation, drawn at random (--seed); 0 for all (default: 40)")
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")
@@ -128,6 +130,8 @@ def add_parsers(sub) -> None:
     rt.add_argument("--observation-window", type=_non_negative_int, default=0,
                     help="observations: the turns ending at its evidence that each is stored and searched "
                          "after (default: 0; 1 is the turn it restates)")
+    rt.add_argument("--observation-origin", action="store_true",
+                    help="observations: the turn each restates is its origin (searched with it, not encoded)")
     _common(rt, "retrieval")
     rt.set_defaults(func=cmd_retrieval)
 
@@ -265,9 +269,10 @@ def cmd_retrieval(args, config) -> int:
 
     with KVMem(config, start_engine=False, background=False) as mem:  # retrieval only: no engine
         result = eval_retrieval.run(mem, args.data, args.conversations, memory=args.memory, novel_only=args.novel,
-                                    window=args.window, observation_window=args.observation_window)
+                                    window=args.window, observation_window=args.observation_window,
+                                    observation_origin=args.observation_origin)
     subset = "-" + "+".join(sorted(args.conversations)) if args.conversations else ""
-    subset += eval_retrieval.memory_suffix(args.memory, args.window, args.observation_window)
+    subset += eval_retrieval.memory_suffix(args.memory, args.window, args.observation_window, args.observation_origin)
     subset += "-novel" if args.novel else ""
     print(eval_retrieval.report(result, (args.out or RESULTS) / f"retrieval{subset}"))
     return 0
@@ -293,7 +298,8 @@ def cmd_locomo(args, config) -> int:
     config = replace(config, kv=replace(config.kv, text_facts=text_facts))
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
                                  seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs,
-                                 text_facts=text_facts, observation_window=args.observation_window)
+                                 text_facts=text_facts, observation_window=args.observation_window,
+                                 observation_origin=args.observation_origin)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")

@@ -47,11 +47,14 @@ class EvalConfig:
     codecs: tuple[str, ...] = ()  # KV codecs to answer with too, re-coded from the lossless blobs
     text_facts: int = 0  # the last facts KV mode prefills as text (the service's kv.text_facts, set by the caller)
     observation_window: int | None = None  # with memory "both": the observations' window (None: 0)
+    observation_origin: bool = False  # observations searched with the turn they restate (never encoded)
 
     def __post_init__(self):
         if self.observation_window is not None and self.memory != "both":
             raise InvalidInputError("observation_window is for memory 'both'; with observations alone, "
                                     f"window is the observations' window (memory {self.memory!r})")
+        if self.observation_origin and self.memory == "turns":
+            raise InvalidInputError("observation_origin needs observations stored (memory 'observations' or 'both')")
         if self.observation_window is not None and (not isinstance(self.observation_window, int)
                                                     or self.observation_window < 0):
             raise InvalidInputError(f"observation_window must be an int >= 0, got {self.observation_window!r}")
@@ -69,9 +72,10 @@ class EvalConfig:
 
     @property
     def memory_name(self) -> str:
-        """"both-w2", and "-o1" after it when observations are stored after their turn too."""
+        """"both-w2", "-o1" after it when observations are stored after their turn too, "-src" when
+        they are searched with it."""
         o = self.observation_window_size if self.memory == "both" else 0
-        return f"{self.memory}-w{self.window_size}" + (f"-o{o}" if o else "")
+        return f"{self.memory}-w{self.window_size}" + (f"-o{o}" if o else "") + ("-src" if self.observation_origin else "")
 
     @property
     def name(self) -> str:
@@ -115,9 +119,11 @@ def _encode(mem, records: list) -> None:
 def _store(mem, conv: dict, cfg: EvalConfig, user: str) -> None:
     if cfg.memory in ("observations", "both"):
         for o in locomo.observations(conv):
-            context = locomo.observation_context(conv, o, cfg.observation_window_size, mem.config.prompt.fact_template)
+            template = mem.config.prompt.fact_template
+            context = locomo.observation_context(conv, o, cfg.observation_window_size, template)
+            origin = locomo.observation_context(conv, o, 1, template) if cfg.observation_origin else ""
             mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)},
-                    context=context, encode="none")
+                    context=context, origin=origin, encode="none")
     if cfg.memory in ("turns", "both"):
         for n, turns, date in locomo.sessions(conv):
             messages = [locomo.message(conv, t, date) for t in turns]

@@ -8,7 +8,8 @@ Search latency per query is reported beside (embedding the query included).
 Memory: LoCoMo's observations (one fact per observation, its session date in front), the raw
 turns (one fact per turn, as `add(messages)` stores a conversation: searched with the `window`
 turns before it), or both in one scope. `observation_window` stores each observation after the turns
-ending at its evidence (1: the turn it restates), searched (and encoded) with them as a turn is.
+ending at its evidence (1: the turn it restates), searched (and encoded) with them as a turn is;
+`observation_origin` gives each the turn it restates as its origin (searched with, never encoded).
 `novel=True` skips a hit whose sources the hits above it already cover (with both stored, an
 observation and the turn it sums up otherwise take two of the k places for one piece of evidence).
 """
@@ -35,23 +36,29 @@ MEMORIES = ("observations", "turns", "both")
 NOVEL_DEPTH = 3  # a novel ranking reads this many times the largest k before skipping
 
 
-def memory_suffix(memory: str, window: int, observation_window: int) -> str:
+def memory_suffix(memory: str, window: int, observation_window: int, observation_origin: bool = False) -> str:
     """What a user id and a result name add for the memory: "-both-w2", "-o1" when observations
-    have a window (none for observations alone at window 0, as before the option)."""
+    have a window, "-src" when they have their turn as origin (none of these for observations
+    alone at window 0, as before the options)."""
     turns = "" if memory == "observations" else f"-{memory}-w{window}"
-    return turns + (f"-o{observation_window}" if observation_window and memory != "turns" else "")
+    if memory == "turns":
+        return turns
+    return turns + (f"-o{observation_window}" if observation_window else "") + ("-src" if observation_origin else "")
 
 
-def build(mem, conv: dict, memory: str = "observations", window: int = 2, observation_window: int = 0) -> str:
+def build(mem, conv: dict, memory: str = "observations", window: int = 2, observation_window: int = 0,
+          observation_origin: bool = False) -> str:
     """The conversation's memory under its own user (kept from an earlier run)."""
-    user = f"retrieval-{conv['sample_id']}" + memory_suffix(memory, window, observation_window)
+    user = f"retrieval-{conv['sample_id']}" + memory_suffix(memory, window, observation_window, observation_origin)
     if mem.get_all(user_id=user, limit=1):
         return user
     if memory in ("observations", "both"):
         template = mem.config.prompt.fact_template
         for o in locomo.observations(conv):
+            origin = locomo.observation_context(conv, o, 1, template) if observation_origin else ""
             mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)},
-                    context=locomo.observation_context(conv, o, observation_window, template), encode="none")
+                    context=locomo.observation_context(conv, o, observation_window, template), origin=origin,
+                    encode="none")
     if memory in ("turns", "both"):
         for n, turns, date in locomo.sessions(conv):
             messages = [locomo.message(conv, t, date) for t in turns]
@@ -72,7 +79,8 @@ def novel(sources: list[set[str]], k: int) -> list[int]:
 
 
 def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODES, ks=KS,
-        memory: str = "observations", novel_only: bool = False, window: int = 2, observation_window: int = 0) -> dict:
+        memory: str = "observations", novel_only: bool = False, window: int = 2, observation_window: int = 0,
+        observation_origin: bool = False) -> dict:
     if memory not in MEMORIES:
         raise InvalidInputError(f"memory must be one of {MEMORIES}, got {memory!r}")
     if not isinstance(observation_window, int) or observation_window < 0:
@@ -81,7 +89,7 @@ def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODE
     rows, latency = [], {r: [] for r in rankings}
     depth = max(ks) * (NOVEL_DEPTH if novel_only else 1)
     for conv in tqdm(convs, desc="eval retrieval", unit="conv"):
-        user = build(mem, conv, memory, window, observation_window)
+        user = build(mem, conv, memory, window, observation_window, observation_origin)
         for q in locomo.questions(conv):
             evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
             if not evidence:
@@ -96,7 +104,7 @@ def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODE
                 row[ranking] = {k: len(evidence & set().union(*sources[:k])) / len(evidence) for k in ks}
             rows.append(row)
     return {"conversations": [c["sample_id"] for c in convs], "memory": memory, "novel": novel_only, "window": window,
-            "observation_window": observation_window,
+            "observation_window": observation_window, "observation_origin": observation_origin,
             "ks": list(ks), "rankings": list(rankings),
             "recall": _table(rows, rankings, ks), "questions": len(rows),
             "search_ms_p50": {r: 1e3 * statistics.median(v) for r, v in latency.items() if v}}
@@ -119,6 +127,8 @@ def report(result: dict, out: Path) -> str:
         how += f", turns searched with the {result.get('window', 0)} before"
     if result.get("observation_window") and result.get("memory") != "turns":
         how += f", observations with the {result['observation_window']} turn(s) ending at their evidence"
+    if result.get("observation_origin") and result.get("memory") != "turns":
+        how += ", observations searched with the turn they restate (origin)"
     lines = [f"Evidence recall@k on {', '.join(result['conversations'])} ({result['questions']} questions; {how})", "",
              "| ranking | group | n | " + " | ".join(f"recall@{k}" for k in ks) + " |",
              "|---|---|---|" + "---|" * len(ks)]

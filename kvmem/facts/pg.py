@@ -83,8 +83,10 @@ _SCHEMA = (
         kv_status TEXT NOT NULL CHECK (kv_status IN ('pending', 'encoded', 'failed', 'evicted')),
         kv_attempts BIGINT NOT NULL,
         embedding BYTEA,
-        embedding_dim BIGINT
+        embedding_dim BIGINT,
+        origin TEXT NOT NULL DEFAULT ''
     )""",
+    "ALTER TABLE facts ADD COLUMN IF NOT EXISTS origin TEXT NOT NULL DEFAULT ''",  # schema 2 -> 3
     "CREATE UNIQUE INDEX IF NOT EXISTS facts_scope_hash ON facts (scope_key, content_hash)",
     "CREATE INDEX IF NOT EXISTS facts_order ON facts (created_at, rowid)",
     "CREATE INDEX IF NOT EXISTS facts_user_order ON facts (user_id, created_at, rowid)",

@@ -53,7 +53,7 @@ KV_STATUSES = ("pending", "encoded", "failed", "evicted")
 SOURCES = ("fact", "messages")
 MAX_LIMIT = 10_000
 MAX_OFFSET = (1 << 63) - 1  # SQLite's largest integer: OFFSET overflows beyond it
-SCHEMA_VERSION = 2  # 2: kv_status 'evicted', table kv_usage
+SCHEMA_VERSION = 3  # 2: kv_status 'evicted', table kv_usage; 3: column origin
 _CHUNK = 1000  # rows per lock hold when streaming, so long scans never starve writers
 
 
@@ -90,7 +90,8 @@ CREATE TABLE IF NOT EXISTS facts (
     kv_status TEXT NOT NULL CHECK (kv_status IN ('pending', 'encoded', 'failed', 'evicted')),
     kv_attempts INTEGER NOT NULL,
     embedding BLOB,
-    embedding_dim INTEGER
+    embedding_dim INTEGER,
+    origin TEXT NOT NULL DEFAULT ''
 );
 CREATE UNIQUE INDEX IF NOT EXISTS facts_scope_hash ON facts (scope_key, content_hash);
 CREATE INDEX IF NOT EXISTS facts_order ON facts (created_at);
@@ -137,6 +138,7 @@ class FactRecord:
     kv_attempts: int
     embedding: np.ndarray | None  # float32, read-only
     embedding_dim: int | None
+    origin: str  # the message a fact was drawn from: searched with it, never encoded
 
     @property
     def scope(self) -> Scope:
@@ -162,7 +164,8 @@ class HistoryEvent:
 _FIELDS = tuple(f.name for f in fields(FactRecord))
 _COLUMNS = ", ".join(_FIELDS)
 _ADD_KEYS = frozenset(
-    {"scope", "text", "metadata", "source", "context", "event_time", "position", "conversation_id", "embedding"}
+    {"scope", "text", "metadata", "source", "context", "event_time", "position", "conversation_id", "embedding",
+     "origin"}
     | {"fact_id"}
 )
 
@@ -195,11 +198,12 @@ class FactStore:
         conversation_id: str | None = None,
         embedding: Any = None,
         fact_id: str | None = None,
+        origin: str = "",
     ) -> tuple[FactRecord, bool]:
         """(record, created). A duplicate of a fact in the same scope returns that fact, unchanged."""
         row = _new_row(
             scope, text, metadata=metadata, source=source, context=context, event_time=event_time,
-            position=position, conversation_id=conversation_id, embedding=embedding, fact_id=fact_id,
+            position=position, conversation_id=conversation_id, embedding=embedding, fact_id=fact_id, origin=origin,
         )  # fmt: skip
         with self._tx() as conn:
             return self._added(conn, _insert(conn, row))
@@ -399,10 +403,11 @@ class FactStore:
         for row in self._columns("id, scope_key, embedding, metadata", "embedding IS NOT NULL"):
             yield row["id"], row["scope_key"], _vector_from(row["embedding"]), json.loads(row["metadata"])
 
-    def texts(self) -> Iterator[tuple[str, str, str, str, dict[str, Any]]]:
-        """(fact_id, scope_key, text, context, metadata) of every fact."""
-        for row in self._columns("id, scope_key, text, context, metadata", "TRUE"):
-            yield row["id"], row["scope_key"], row["text"], row["context"], json.loads(row["metadata"])
+    def texts(self) -> Iterator[tuple[str, str, str, str, str, dict[str, Any]]]:
+        """(fact_id, scope_key, text, context, origin, metadata) of every fact."""
+        for row in self._columns("id, scope_key, text, context, origin, metadata", "TRUE"):
+            yield (row["id"], row["scope_key"], row["text"], row["context"], row["origin"],
+                   json.loads(row["metadata"]))
 
     def _columns(self, columns: str, where: str) -> Iterator[Mapping[str, Any]]:
         """Every row matching `where`, in rowid order, read in chunks (the lock is not held between)."""
@@ -496,6 +501,8 @@ def _connect(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA secure_delete=ON")  # per connection, so set on every open
     if version == 1:
         _migrate_v1(conn)
+    if version in (1, 2):
+        _migrate_v2(conn)
     conn.executescript(_SCHEMA)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     return conn
@@ -505,7 +512,7 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
     """Schema 1 -> 2: kv_status may be 'evicted'. SQLite cannot alter a CHECK constraint, so the
     facts table is rebuilt (rowids kept: listings order by them), in one transaction."""
     table = _SCHEMA.split("CREATE TABLE IF NOT EXISTS facts (", 1)[1].split(");", 1)[0]
-    columns = ", ".join(_FIELDS)
+    columns = ", ".join(f for f in _FIELDS if f != "origin")  # schema 3's column comes with its default
     conn.execute("BEGIN IMMEDIATE")
     try:
         conn.execute(f"CREATE TABLE facts_v2 ({table})")
@@ -518,6 +525,13 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
         conn.execute("ROLLBACK")
         raise
     log.info("fact store migrated to schema 2 (kv_status 'evicted')")
+
+
+def _migrate_v2(conn: sqlite3.Connection) -> None:
+    """Schema 2 -> 3: column origin ('' for every stored fact). A v1 store rebuilt just now has it."""
+    if "origin" not in {row["name"] for row in conn.execute("PRAGMA table_info(facts)")}:
+        conn.execute("ALTER TABLE facts ADD COLUMN origin TEXT NOT NULL DEFAULT ''")
+        log.info("fact store migrated to schema 3 (column origin)")
 
 
 def _fetch(conn: Connection, fact_id: str) -> Mapping[str, Any]:
@@ -606,6 +620,7 @@ def _new_row(
     conversation_id: str | None = None,
     embedding: Any = None,
     fact_id: str | None = None,
+    origin: str = "",
 ) -> dict[str, Any]:
     if not isinstance(scope, Scope):
         raise InvalidInputError(f"scope must be a Scope, got {type(scope).__name__}")
@@ -614,6 +629,8 @@ def _new_row(
         raise InvalidInputError(f"source must be one of {SOURCES}, got {source!r}")
     if not isinstance(context, str):
         raise InvalidInputError(f"context must be a string, got {type(context).__name__}")
+    if not isinstance(origin, str):
+        raise InvalidInputError(f"origin must be a string, got {type(origin).__name__}")
     if position is not None and (not _is_int(position) or position < 0):
         raise InvalidInputError(f"position must be None or an int >= 0, got {position!r}")
     vec = _as_vector(embedding)
@@ -637,6 +654,7 @@ def _new_row(
         "kv_attempts": 0,
         "embedding": None if vec is None else _vector_blob(vec),
         "embedding_dim": None if vec is None else vec.size,
+        "origin": origin,
     }
 
 

@@ -55,12 +55,15 @@ def check_fact_text(text: object, name: str = "fact") -> str:
     return text
 
 
-def search_text(text: str, context: str) -> str:
-    """What a fact is found by: its text, then the context it is encoded after.
+def search_text(text: str, context: str, origin: str = "") -> str:
+    """What a fact is found by: its text, then the context it is encoded after, then the message it
+    was drawn from (its origin: searched, never encoded).
 
     A turn such as "Yes, we went there last summer!" names neither the place nor who went; the
     turns before it do. Embedding and indexing the turn with that window (the same one its KV is
     computed after) lifted LoCoMo evidence recall@10 from 0.757 to 0.808 on the tuning
-    conversations (docs/benchmarks.md). The text comes first so that an embedder's truncation
-    cuts the context, never the fact."""
-    return f"{text}\n{context}" if context else text
+    conversations (docs/benchmarks.md). A fact extracted from a message is found by that
+    message's words too (observation memory 0.659 -> 0.695), while its KV stays encoded alone:
+    encoding it after the message cost KV mode gold-answer log-likelihood. The text comes first
+    so that an embedder's truncation cuts the context, never the fact."""
+    return "\n".join(part for part in (text, context, origin) if part)

@@ -48,7 +48,7 @@ def from_invalid_input(e: InvalidInputError, param: str | None = None) -> ApiErr
 
 
 def _guess_param(text: str) -> str | None:
-    for name in ("timestamp", "messages", "message", "user_id", "agent_id", "run_id", "metadata", "filters", "query", "mode",
+    for name in ("timestamp", "origin", "messages", "message", "user_id", "agent_id", "run_id", "metadata", "filters", "query", "mode",
                  "context", "window", "limit", "offset", "facts", "fact", "filter"):
         if text.startswith(name) or f" {name}" in text:
             return {"message": "messages", "fact": "facts", "filter": "filters"}.get(name, name)

@@ -55,7 +55,7 @@ async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenan
     started = time.time()
     add = partial(mem.add, messages, facts=body.facts, user_id=tenant.user_id(body.user_id),
                   agent_id=body.agent_id, run_id=body.run_id, metadata=body.metadata, window=body.window,
-                  encode=body.encode, timestamp=body.timestamp)
+                  encode=body.encode, timestamp=body.timestamp, origin=body.origin)
     result = await rt.call(add)
     records, seen, results = await rt.call(_records, mem, result.ids), set(), []
     for r in records:

@@ -88,6 +88,7 @@ class AddMemories(_Scope):
     metadata: dict[str, Any] | None = None
     window: int | None = Field(None, ge=0, le=64)
     timestamp: str | None = None  # facts only: when they held ("2023-05-09" or free text)
+    origin: str = ""  # facts only: the message they were drawn from (searched with them, not encoded)
     encode: Literal["background", "sync"] = "background"
 
 

@@ -24,6 +24,7 @@ def memory(record, tenant: Tenant, **extra) -> dict:
         "kv_status": record.kv_status,  # pending | encoded | failed: served as text until encoded
         "source": record.source,
         "event_time": record.event_time,
+        "origin": record.origin,
         **extra,
     }
 

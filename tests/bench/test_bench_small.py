@@ -152,6 +152,12 @@ def test_locomo_eval_with_both_memories_can_store_observations_after_their_turn(
     assert observations and all(r.context.count("\n") == 1 for r in observations)  # one turn each
     assert user.endswith("-both-w2-o1") and cfg.name.startswith("locomo-both-w2-o1-k3")
     assert eval_locomo.EvalConfig(locomo_path, memory="both", observation_window=0).name.startswith("locomo-both-w2-k")
-    for bad in (dict(memory="observations", observation_window=1), dict(memory="both", observation_window=-1)):
+    drawn = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=2, observation_origin=True)
+    user = eval_locomo.build_memory(mem, conv, drawn, encode=False)
+    assert user.endswith("-observations-w0-src") and drawn.name.startswith("locomo-observations-w0-src-k3")
+    records = mem.get_all(user_id=user, limit=10_000)
+    assert records and all(not r.context and r.origin.count("\n") == 1 for r in records)
+    for bad in (dict(memory="observations", observation_window=1), dict(memory="both", observation_window=-1),
+                dict(memory="turns", observation_origin=True)):
         with pytest.raises(InvalidInputError):
             eval_locomo.EvalConfig(locomo_path, **bad)

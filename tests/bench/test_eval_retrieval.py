@@ -57,5 +57,7 @@ def test_observations_are_stored_after_the_turn_they_restate_with_an_observation
     for r in observations:  # the context is the first evidence turn, as its turn fact shows it
         first = min(r.metadata["dia_ids"], key=lambda d: tuple(int(x) for x in d[1:].split(":")))
         assert r.context == mem.config.prompt.fact_template.format(text=turns[first])
+    drawn = mem.get_all(user_id=eval_retrieval.build(mem, conv, "observations", observation_origin=True), limit=10_000)
+    assert [r.origin for r in drawn] == [r.context for r in observations] and all(not r.context for r in drawn)
     with pytest.raises(InvalidInputError):
         eval_retrieval.run(mem, locomo_path, ("conv-26",), memory="both", observation_window=-1)

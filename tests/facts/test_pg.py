@@ -299,6 +299,21 @@ def test_a_newer_schema_is_refused(stores, pg_url):
         PgFactStore(pg_url)
 
 
+def test_a_schema_2_database_gains_origin(stores, pg_url):
+    s = stores()
+    record, _ = s.add(ALICE, "one")
+    with admin(pg_url) as conn:
+        conn.execute("ALTER TABLE facts DROP COLUMN origin")
+        conn.execute("UPDATE kvmem_meta SET value = '2' WHERE key = 'schema_version'")
+    s = stores()
+    assert s.get(record.id).origin == ""
+    other, _ = s.add(ALICE, "two", origin="Alice: two, I said")
+    assert stores().get(other.id).origin == "Alice: two, I said"
+    with admin(pg_url) as conn:
+        version = conn.execute("SELECT value FROM kvmem_meta WHERE key = 'schema_version'").fetchone()[0]
+    assert version == str(store_module.SCHEMA_VERSION)
+
+
 def test_times_are_double_precision(stores, pg_url):
     s = stores()
     record, _ = s.add(ALICE, "one")

@@ -692,6 +692,32 @@ def test_a_schema_1_store_migrates_and_keeps_every_fact_in_order(path):
         s.close()
 
 
+def test_a_schema_2_store_gains_origin_and_keeps_every_fact(path):
+    """Schema 3 added column origin: a schema 2 file gets it, '' for every stored fact."""
+    import sqlite3
+
+    s = FactStore(path)
+    s.add_many([{"text": f"fact {i}", "scope": ALICE, "context": "- before\n"} for i in range(3)])
+    before = s.list(user_id="alice")
+    s.close()
+    conn = sqlite3.connect(path)
+    conn.execute("ALTER TABLE facts DROP COLUMN origin")
+    conn.execute("PRAGMA user_version=2")
+    conn.close()
+    s = FactStore(path)
+    try:
+        assert s.list(user_id="alice") == before and all(r.origin == "" for r in before)
+        (record, _), = s.add_many([{"text": "Caroline went to a support group", "scope": ALICE,
+                                    "origin": "Caroline: I went to an LGBTQ support group yesterday"}])
+        assert s.get(record.id).origin.endswith("LGBTQ support group yesterday") and record.context == ""
+        texts = {row[0]: row for row in s.texts()}
+        assert texts[record.id][2:5] == ("Caroline went to a support group", "", record.origin)
+    finally:
+        s.close()
+    with pytest.raises(InvalidInputError, match="origin must be a string"):
+        FactStore(path).add(ALICE, "x", origin=3)
+
+
 def test_usage_counts_round_trip_and_leave_with_their_fact(store):
     (a, _), (b, _) = store.add_many([{"text": t, "scope": ALICE} for t in ("one", "two")])
     store.save_usage({a.id: 3, b.id: 1, "f-gone": 7})  # a fact deleted meanwhile is skipped

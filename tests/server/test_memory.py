@@ -32,6 +32,14 @@ def test_round_trip(alpha):
     dated = alpha.post("/v1/memories", json={"user_id": f"{user}-dated", "facts": ["I moved to Porto."],
                                              "timestamp": "2023-05-09"}).json()["results"][0]
     assert dated["memory"] == "[9 May 2023] I moved to Porto." and dated["metadata"]["timestamp"] == "2023-05-09"
+    said = "user: I start at the tram signalling company on Monday, the Trindade depot."
+    drawn = alpha.post("/v1/memories", json={"user_id": f"{user}-drawn", "facts": ["The user has a new job."],
+                                             "origin": said}).json()["results"][0]
+    assert drawn["memory"] == "The user has a new job." and drawn["origin"] == said
+    found = alpha.post("/v1/memories/search", json={"user_id": f"{user}-drawn", "query": "Trindade depot"}).json()
+    assert [h["id"] for h in found["results"]] == [drawn["id"]]
+    bad = alpha.post("/v1/memories", json={"user_id": user, "messages": CONVERSATION, "origin": said})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "origin", bad.text
 
     listed = alpha.get("/v1/memories", params={"user_id": user}).json()
     assert listed["total"] == 3 and [m["id"] for m in listed["results"]] == [m["id"] for m in added["results"]]
