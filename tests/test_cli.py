@@ -95,6 +95,12 @@ def test_add_a_conversation_from_a_file_and_from_stdin(kvmem, tmp_path, monkeypa
     assert rc == 0 and [t for _, _, t in added(out)] == ["[2 June 2024] Bruno learnt to sit."]
     rc, _, err = kvmem("add", "--user", "alice", "--no-encode", "--timestamp", "2024-06-02", "--messages", str(path))
     assert rc != 0 and "--timestamp applies to facts" in err
+    said = "alice: the trainer at the Riverside kennel club says he is a natural"
+    rc, out, _ = kvmem("add", "--user", "alice", "--no-encode", "--origin", said, "Bruno is good at training.")
+    assert rc == 0 and added(out)[0][1] == "new"
+    assert [h["text"] for h in search_json(kvmem, "Riverside kennel", "-k", "1")] == ["Bruno is good at training."]
+    rc, _, err = kvmem("add", "--user", "alice", "--no-encode", "--origin", said, "--messages", str(path))
+    assert rc != 0 and "--origin applies to facts" in err
 
 
 def test_search_prints_a_ranked_table_or_json_lines(kvmem):

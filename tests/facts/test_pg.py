@@ -330,6 +330,8 @@ def test_nul_characters_are_refused_and_nothing_is_written(stores):
     s = stores()
     with pytest.raises(InvalidInputError, match="NUL"):
         s.add(ALICE, "text", context="a\x00b")
+    with pytest.raises(InvalidInputError, match="NUL"):
+        s.add(ALICE, "text", origin="a\x00b")
     assert s.count() == 0
     with pytest.raises(KeyError):
         s.get("f-\x00")
