@@ -118,8 +118,8 @@ def _encode(mem, records: list) -> None:
 
 def _store(mem, conv: dict, cfg: EvalConfig, user: str) -> None:
     if cfg.memory in ("observations", "both"):
+        template = mem.config.prompt.fact_template
         for o in locomo.observations(conv):
-            template = mem.config.prompt.fact_template
             context = locomo.observation_context(conv, o, cfg.observation_window_size, template)
             origin = locomo.observation_context(conv, o, 1, template) if cfg.observation_origin else ""
             mem.add(facts=[f"[{o.date}] {o.text}"], user_id=user, metadata={"dia_ids": list(o.dia_ids)},
