@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the same HTTP server with no engine inside: sends prompts to replicas, facts in "
                         "PostgreSQL, blobs in a shared Redis tier (kvmem gateway --help)")
     from kvmem.bench import cli as bench_cli
-    from kvmem.reader import cli as reader_cli
+    from kvmem.tune import cli as reader_cli
 
     bench_cli.add_parsers(sub)
     reader_cli.add_parser(sub)

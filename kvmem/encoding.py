@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from kvmem.engine.llm import EngineRequest
-from kvmem.engine.plan import ENCODE, Plan
+from kvmem.connector.plan import ENCODE, Plan
 from kvmem.errors import BlobError, UnknownFactError
 
 log = logging.getLogger(__name__)

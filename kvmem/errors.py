@@ -39,7 +39,30 @@ class IndexFileError(KvmemError):
 
 
 class InvalidInputError(KvmemError, ValueError):
-    """Input that kvmem refuses: empty text, bad mode, a prompt that cannot fit, ..."""
+    """Input that kvmem refuses: empty text, bad mode, a prompt that cannot fit, ...
+
+    Set where it is raised: `param`, the argument or request field at fault ("facts",
+    "messages[2].content", ...; None when no single one is), and `code`, one of the CODES below.
+    The HTTP server maps the code to a status (server/errors.py) and never reads the message, so
+    rewording a message changes neither."""
+
+    INVALID_VALUE = "invalid_value"  # 400: malformed or out of range
+    FACT_TOO_LARGE = "fact_too_large"  # 413: a fact over memory.max_fact_tokens
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 422: does not fit the model's context
+    CODES = (INVALID_VALUE, FACT_TOO_LARGE, CONTEXT_LENGTH_EXCEEDED)
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = INVALID_VALUE) -> None:
+        if code not in self.CODES:
+            raise ValueError(f"unknown InvalidInputError code {code!r}")
+        super().__init__(message)
+        self.param, self.code = param, code
+
+    def __reduce__(self):  # keeps param and code across processes (pickle passes args only)
+        return _invalid_input, (str(self), self.param, self.code)
+
+
+def _invalid_input(message: str, param: str | None, code: str) -> InvalidInputError:
+    return InvalidInputError(message, param=param, code=code)
 
 
 class EngineError(KvmemError):

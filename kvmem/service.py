@@ -450,7 +450,7 @@ class KVMem:
     def _prepare(self, messages, user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs,
                  text_facts=None):
         from kvmem.engine.llm import EngineRequest
-        from kvmem.engine.plan import INJECT, Plan
+        from kvmem.connector.plan import INJECT, Plan
 
         if mode not in MODES:
             raise InvalidInputError(f"mode must be one of {MODES}, got {mode!r}")

@@ -2,7 +2,7 @@
 
 Engine (vLLM, bf16, the adapter's KV map applied by the connector and its LoRA, if it has one, as
 a LoRA request; facts injected) and lab (transformers, fp32,
-kvmem/reader/lab.py) on the same KV-mode chats: 8 questions of the tuning conversation conv-26,
+kvmem/tune/lab.py) on the same KV-mode chats: 8 questions of the tuning conversation conv-26,
 each over 10 of its observations drawn at random. Per chat: each mode's largest log-prob gap
 between engine and lab over the engine's top 20, and the adapter's shift of those log-probs
 (kv with it minus kv without) in the engine against the lab's: correlation and least-squares
@@ -24,9 +24,9 @@ import torch
 from kvmem.bench import locomo
 from kvmem.config import Config, default_home
 from kvmem.reader import kvmap, lora
-from kvmem.reader.examples import from_records
-from kvmem.reader.lab import memory_cache, reply_logits
-from kvmem.reader.train import load_model
+from kvmem.tune.examples import from_records
+from kvmem.tune.lab import memory_cache, reply_logits
+from kvmem.tune.train import load_model
 from kvmem.service import KVMem
 
 MODES = ("text", "kv", "kv+adapter")

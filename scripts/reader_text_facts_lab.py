@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvmem.config import Config  # noqa: E402
 from kvmem.reader import adapters, kvmap  # noqa: E402
-from kvmem.reader.examples import locomo_examples  # noqa: E402
-from kvmem.reader.lab import Example, FactKV, memory_cache, reply_logits, teacher_reply  # noqa: E402
-from kvmem.reader.measure import compare, summarize  # noqa: E402
-from kvmem.reader.train import eos_ids, load_model  # noqa: E402
+from kvmem.tune.examples import locomo_examples  # noqa: E402
+from kvmem.tune.lab import Example, FactKV, memory_cache, reply_logits, teacher_reply  # noqa: E402
+from kvmem.tune.measure import compare, summarize  # noqa: E402
+from kvmem.tune.train import eos_ids, load_model  # noqa: E402
 from kvmem.service import KVMem  # noqa: E402
 
 SPLITS = {"tune": (("conv-26", "conv-30", "conv-41"), 15), "report": (("conv-42", "conv-43", "conv-44", "conv-47"), 20)}

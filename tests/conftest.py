@@ -24,6 +24,55 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+# -- the bundled model in PyTorch (reader and tune tests) ------------------------------
+
+FACTS = ["My sister adopted a puppy named Bruno.", "I live in Lisbon near the river.",
+         "I play the cello every Sunday morning.", "My favourite food is grilled sardines."]
+
+
+class _Record:
+    """The two fields a chat reads from a fact record."""
+
+    def __init__(self, i: int, text: str, context: str = "") -> None:
+        self.id, self.text, self.context = f"f-{i}", text, context
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    import torch
+
+    from kvmem.tune.train import load_model
+
+    torch.manual_seed(0)
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer):
+    from kvmem.engine.prompt import PromptBuilder
+
+    return PromptBuilder(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def make_example(prompts):
+    from kvmem.tune.examples import from_records
+
+    def make(facts=FACTS, question="What is my sister's puppy called?", contexts=None):
+        contexts = contexts or [""] * len(facts)
+        records = [_Record(i, t, c) for i, (t, c) in enumerate(zip(facts, contexts))]
+        return from_records(prompts, records, [{"role": "user", "content": question}])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def eos(tokenizer):
+    from kvmem.tune.train import eos_ids
+
+    return eos_ids(tokenizer)
+
+
 @pytest.fixture(scope="session")
 def locomo_path(tmp_path_factory):
     """A synthetic LoCoMo-shaped file (tests never read the real data set: a user's clone lacks it)."""

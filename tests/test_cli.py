@@ -210,7 +210,7 @@ def test_tune_reader_refuses_a_first_weight_of_zero(kvmem, capsys):
 
 def test_tune_reader_keeps_the_shipped_scale_at_any_rank_unless_told():
     from kvmem.cli import build_parser
-    from kvmem.reader.cli import tune_config
+    from kvmem.tune.cli import tune_config
 
     parse = build_parser().parse_args
     assert (tune_config(parse(["tune-reader"])).alpha, tune_config(parse(["tune-reader"])).rank) == (16.0, 8)
@@ -220,7 +220,7 @@ def test_tune_reader_keeps_the_shipped_scale_at_any_rank_unless_told():
 
 def test_tune_reader_targets_are_checked_and_kept_in_peft_order(capsys):
     from kvmem.cli import build_parser
-    from kvmem.reader.cli import tune_config
+    from kvmem.tune.cli import tune_config
 
     parse = build_parser().parse_args
     assert tune_config(parse(["tune-reader"])).targets == ()  # the KV map alone by default

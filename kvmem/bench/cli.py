@@ -224,9 +224,9 @@ def cmd_codecs(args, config) -> int:
 def cmd_reader(args, config) -> int:
     import json
 
-    from kvmem.reader.examples import locomo_examples
-    from kvmem.reader.measure import LAYOUTS, diagnose
-    from kvmem.reader.train import eos_ids, load_model
+    from kvmem.tune.examples import locomo_examples
+    from kvmem.tune.measure import LAYOUTS, diagnose
+    from kvmem.tune.train import eos_ids, load_model
     from kvmem.service import KVMem
 
     with KVMem(config, start_engine=False, background=False) as mem:

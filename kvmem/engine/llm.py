@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvmem.config import Config
-from kvmem.engine.plan import ENCODE, KEY, Plan
+from kvmem.connector.plan import ENCODE, KEY, Plan
 from kvmem.engine.replica import transfer_config
-from kvmem.engine.support import map_refused, take_refusal
+from kvmem.connector.support import map_refused, take_refusal
 from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo

@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass
 
 from kvmem.config import PromptConfig
-from kvmem.engine.plan import Segment
+from kvmem.connector.plan import Segment
 from kvmem.errors import InvalidInputError
 
 _FACT_CACHE = 100_000  # fact texts whose tokens are remembered (~1 KB each at most)

@@ -38,7 +38,7 @@ import httpx
 
 from kvmem.engine.health import PROBE_S, Health, served_models
 from kvmem.engine.llm import BLOB_WAIT_S, EngineRequest, EngineResult
-from kvmem.engine.plan import ENCODE, KEY
+from kvmem.connector.plan import ENCODE, KEY
 from kvmem.engine.replica import reader_name, served_name
 from kvmem.errors import EngineError, RequestCancelled
 from kvmem.kv.store import KVStore

@@ -18,7 +18,7 @@ from kvmem.reader import adapters
 from kvmem.reader.lora import folder_targets, has_lora, lora_rank
 
 CONNECTOR = "KvmemConnector"
-CONNECTOR_MODULE = "kvmem.engine.connector"
+CONNECTOR_MODULE = "kvmem.connector.connector"
 
 
 def transfer_config(config: Config, model: ModelInfo, adapter: Path | None = None) -> dict:

@@ -9,7 +9,7 @@ from tests.helpers import tokens
 def test_encode_blocks_are_given_back_once_copied(mem):
     from kvmem.encoding import salt
     from kvmem.engine.llm import EngineRequest
-    from kvmem.engine.plan import INJECT, Plan
+    from kvmem.connector.plan import INJECT, Plan
 
     facts = ["Ines grows tomatoes on her balcony.", "Ines has a brother called Rui.", "Ines plays the cello."]
     result = mem.add(facts=facts, user_id="held")

@@ -174,7 +174,7 @@ def test_each_layer_moves_keys_with_its_own_base(family_mem):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from kvmem.engine.rope import KeyRotator
+    from kvmem.connector.rope import KeyRotator
 
     _, mem = family_mem
     hf = mem.engine._llm.llm_engine.vllm_config.model_config.hf_text_config

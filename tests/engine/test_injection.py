@@ -77,7 +77,7 @@ def test_stored_keys_are_the_engine_cache_at_their_encoded_position(mem):
     """A blob holds the keys as the engine cached them (rotated, bf16) with the position they
     were encoded at: encoding the same fact text with no context puts it elsewhere, and moving
     those keys to the first blob's position reproduces them up to bf16 rounding."""
-    from kvmem.engine.rope import KeyRotator
+    from kvmem.connector.rope import KeyRotator
 
     fact = add_fact(mem, "rope", FACTS[1], context="We talked about moving abroad.", encode="none")
     plain = add_fact(mem, "rope-plain", FACTS[1], encode="none")
@@ -109,7 +109,7 @@ def test_k10_facts_encoded_after_their_true_prefix_reproduce_text_prefill(mem):
     """With each fact encoded after exactly the tokens that precede it in the prompt, injecting
     ten segments must equal text prefill: this pins slot mapping and multi-segment assembly."""
     from kvmem.engine.llm import EngineRequest
-    from kvmem.engine.plan import ENCODE, Plan
+    from kvmem.connector.plan import ENCODE, Plan
     from kvmem.encoding import salt
 
     ids = list(mem.add(facts=FACTS, user_id="k10-exact", encode="none").ids)
@@ -159,7 +159,7 @@ def encode_after_true_prefix(mem, user, fact_ids, messages):
     """Encode each fact after exactly the tokens that precede it in this prompt."""
     from kvmem.encoding import salt
     from kvmem.engine.llm import EngineRequest
-    from kvmem.engine.plan import ENCODE, Plan
+    from kvmem.connector.plan import ENCODE, Plan
 
     prompt = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in fact_ids], messages)
     mem.engine.run([EngineRequest(prompt.token_ids[: seg.end], salt("encode", user), max_tokens=1,

@@ -90,7 +90,7 @@ def test_the_printed_command_is_the_stock_server_with_kvmem_s_connector(tmp_path
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--port" in cmd and "8123" in cmd
     transfer = replica.transfer_config(config, model)
     assert cmd[cmd.index("--kv-transfer-config") + 1].count(model.fingerprint) == 1
-    assert transfer["kv_connector_module_path"] == "kvmem.engine.connector"
+    assert transfer["kv_connector_module_path"] == "kvmem.connector.connector"
     assert transfer["kv_connector_extra_config"]["kv_dir"] == str(tmp_path / "kv")
 
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvmem.engine.paged import PageLayout, slot_mapping
-from kvmem.engine.rope import KeyRotator
+from kvmem.connector.paged import PageLayout, slot_mapping
+from kvmem.connector.rope import KeyRotator
 from kvmem.kv.store import KVStore
 
 HEADS, DIM, BS, BLOCKS, LAYERS = 8, 128, 16, 12, 3
@@ -65,8 +65,8 @@ def test_rotary_kernel_on_cuda_matches_the_reference(rope):
 
 
 def test_worker_encode_then_inject_round_trips_on_cuda(tmp_path, rope):
-    from kvmem.engine.plan import ConnectorMeta, LoadJob, SaveJob, Span
-    from kvmem.engine.worker_side import WorkerSide
+    from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob, Span
+    from kvmem.connector.worker_side import WorkerSide
 
     layer, shape = flash_layer()
     side = WorkerSide(KVStore(tmp_path, "c" * 64), KeyRotator(rope), BS, BLOCKS, HEADS, DIM, torch.float32, None,

@@ -24,7 +24,7 @@ def random_map(layers=2, heads=3, dim=8, seed=0, spread=0.3) -> kvmap.KVMap:
 def test_the_key_map_commutes_with_rope(hf_model):
     """Mapping keys rotated to position p equals rotating mapped pre-RoPE keys to p: one map
     serves a fact wherever it is injected."""
-    from kvmem.reader.lab import move_keys
+    from kvmem.tune.lab import move_keys
 
     c = hf_model.config
     m = random_map(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads)

@@ -13,7 +13,7 @@ from kvmem.reader import adapters, lora
 
 @pytest.fixture()
 def adapted(model_dir):
-    from kvmem.reader.train import load_model
+    from kvmem.tune.train import load_model
 
     model = load_model(model_dir)
     return model, lora.attach(model, rank=4, alpha=8.0)
@@ -71,7 +71,7 @@ def test_save_load_round_trip_in_peft_layout(adapted, tmp_path, model_dir):
 
 
 def test_an_adapter_on_other_layers_round_trips_with_its_targets(model_dir, tmp_path):
-    from kvmem.reader.train import load_model
+    from kvmem.tune.train import load_model
 
     model = load_model(model_dir)
     wrapped = lora.attach(model, rank=4, alpha=8.0, targets=("down_proj", "q_proj", "o_proj"))
@@ -88,7 +88,7 @@ def test_an_adapter_on_other_layers_round_trips_with_its_targets(model_dir, tmp_
 
 def test_unknown_targets_are_refused(model_dir):
     from kvmem.errors import AdapterError
-    from kvmem.reader.train import load_model
+    from kvmem.tune.train import load_model
 
     with pytest.raises(AdapterError, match="targets must be among"):
         lora.attach(load_model(model_dir), targets=("lm_head",))

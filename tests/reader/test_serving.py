@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmem.config import Config, default_home
-from kvmem.engine.plan import ENCODE, KEY
+from kvmem.connector.plan import ENCODE, KEY
 from kvmem.reader import adapters, lora
 from tests.reader.test_kvmap import random_map
 
@@ -17,7 +17,7 @@ FACTS = ["My sister adopted a puppy named Bruno.", "I live in Lisbon near the ri
 @pytest.fixture(scope="module")
 def reader_mem(model_dir, tmp_path_factory):
     from kvmem.model import resolve_model
-    from kvmem.reader.train import load_model
+    from kvmem.tune.train import load_model
     from kvmem.service import KVMem
 
     home = tmp_path_factory.mktemp("reader-home")
@@ -89,9 +89,9 @@ def test_the_engine_reads_with_the_adapter_as_the_lab_does(reader_mem, model_dir
     the same chat. A LoRA scaled or placed differently by vLLM (alpha, rank, other projections),
     or a KV map applied to other tokens, heads or dimensions, would change the slope."""
     from kvmem.reader import kvmap
-    from kvmem.reader.examples import from_records
-    from kvmem.reader.lab import memory_cache, reply_logits
-    from kvmem.reader.train import load_model
+    from kvmem.tune.examples import from_records
+    from kvmem.tune.lab import memory_cache, reply_logits
+    from kvmem.tune.train import load_model
 
     mem = reader_mem
     ids = list(mem.add(facts=FACTS, user_id="reader-lab").ids)
@@ -124,7 +124,7 @@ def test_the_engine_reads_with_the_adapter_as_the_lab_does(reader_mem, model_dir
 def map_only_mem(model_dir, tmp_path_factory):
     """An adapter with a KV map and no LoRA: vLLM runs no LoRA, the connector maps the facts."""
     from kvmem.model import resolve_model
-    from kvmem.reader.train import load_model
+    from kvmem.tune.train import load_model
     from kvmem.service import KVMem
 
     home = tmp_path_factory.mktemp("map-home")
@@ -141,9 +141,9 @@ def map_only_mem(model_dir, tmp_path_factory):
 
 def test_a_map_only_adapter_maps_kv_chats_alone_as_the_lab_does(map_only_mem, model_dir):
     from kvmem.reader import kvmap
-    from kvmem.reader.examples import from_records
-    from kvmem.reader.lab import memory_cache, reply_logits
-    from kvmem.reader.train import load_model
+    from kvmem.tune.examples import from_records
+    from kvmem.tune.lab import memory_cache, reply_logits
+    from kvmem.tune.train import load_model
 
     mem = map_only_mem
     assert mem.engine.reader_adapter is not None and not lora.has_lora(mem.engine.reader_adapter)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from kvmem.engine.support import refuse_unsupported, unsupported
+from kvmem.connector.support import refuse_unsupported, unsupported
 from kvmem.errors import UnsupportedConfigError
 
 
@@ -124,7 +124,7 @@ def test_cross_layer_kv_sharing_is_refused(model_config):
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
-    from kvmem.engine.support import layer_reasons
+    from kvmem.connector.support import layer_reasons
 
     config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=32))
     with set_current_vllm_config(config):
@@ -152,9 +152,9 @@ def test_the_connector_refuses_at_construction(model_config, tmp_path):
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvmem.engine.connector import KvmemConnector
+    from kvmem.connector.connector import KvmemConnector
 
-    transfer = KVTransferConfig(kv_connector="KvmemConnector", kv_connector_module_path="kvmem.engine.connector",
+    transfer = KVTransferConfig(kv_connector="KvmemConnector", kv_connector_module_path="kvmem.connector.connector",
                                 kv_role="kv_both", kv_connector_extra_config={"kv_dir": str(tmp_path),
                                                                               "fingerprint": "f" * 64})
     config = VllmConfig(model_config=model_config, kv_transfer_config=transfer, cache_config=CacheConfig(block_size=32))
@@ -169,8 +169,8 @@ def test_the_scheduler_side_maps_only_when_the_worker_took_the_map(model_config,
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvmem.engine.connector import KvmemConnector
-    from kvmem.engine.support import leave_map_refusal, map_refused
+    from kvmem.connector.connector import KvmemConnector
+    from kvmem.connector.support import leave_map_refusal, map_refused
     from kvmem.reader import lora
     from tests.reader.test_kvmap import random_map
 
@@ -178,7 +178,7 @@ def test_the_scheduler_side_maps_only_when_the_worker_took_the_map(model_config,
     lora.save([], tmp_path / "adapter", rank=8, alpha=16.0, base_model="", meta={"fingerprint": fp},
               kv_map=random_map(2, 3, 64))
     extra = {"kv_dir": str(kv_dir), "fingerprint": fp, "reader_adapter": str(tmp_path / "adapter")}
-    transfer = KVTransferConfig(kv_connector="KvmemConnector", kv_connector_module_path="kvmem.engine.connector",
+    transfer = KVTransferConfig(kv_connector="KvmemConnector", kv_connector_module_path="kvmem.connector.connector",
                                 kv_role="kv_both", kv_connector_extra_config=extra)
     config = VllmConfig(model_config=model_config, kv_transfer_config=transfer, cache_config=CacheConfig(block_size=32))
 

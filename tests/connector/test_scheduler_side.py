@@ -6,8 +6,8 @@ import pytest
 
 import torch
 
-from kvmem.engine.plan import ENCODE, INJECT, Plan, Segment, Span
-from kvmem.engine.scheduler_side import SchedulerSide
+from kvmem.connector.plan import ENCODE, INJECT, Plan, Segment, Span
+from kvmem.connector.scheduler_side import SchedulerSide
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.store import KVStore
 
@@ -53,8 +53,8 @@ def test_claims_head_and_facts_and_sends_blocks_and_ranges(tmp_path):
 def test_worker_expands_ranges_into_the_slots_vllm_uses(tmp_path):
     import torch
 
-    from kvmem.engine.worker_side import _token_map
-    from kvmem.engine.plan import LoadJob
+    from kvmem.connector.worker_side import _token_map
+    from kvmem.connector.plan import LoadJob
 
     job = LoadJob("r1", (7, 3), (Span("head", 0, 4), Span("a", 4, 6)))
     positions, slots = _token_map([job], 8)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvmem.engine.rope import KeyRotator
+from kvmem.connector.rope import KeyRotator
 
 pytestmark = pytest.mark.cpu_backend  # the rotary kernel on host tensors (tests/gpu/ has the CUDA twin)
 
@@ -134,7 +134,7 @@ def test_positions_beyond_the_table_are_refused(rope):
 
 def test_layer_rotators_apply_each_layers_own_embedding(rope, llama3_rope):
     """Gemma 3's shape: local and global layers with different rotary bases, interleaved."""
-    from kvmem.engine.rope import LayerRotators
+    from kvmem.connector.rope import LayerRotators
 
     local, global_ = KeyRotator(rope), KeyRotator(llama3_rope)
     layers = LayerRotators([local, global_, local])
@@ -167,7 +167,7 @@ def test_longrope_rotation_matches_the_engines(model_dir, max_model_len):
         Phi3LongRoPEScaledRotaryEmbedding,
     )
 
-    from kvmem.engine.rope import is_rotary
+    from kvmem.connector.rope import is_rotary
 
     config = VllmConfig()
     config.model_config = SimpleNamespace(max_model_len=max_model_len)  # all LongRoPE reads of it

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmem.reader import lab
-from kvmem.reader.lab import KVMEM, FactKV, Layout, memory_cache, move_keys, reply_logits
-from tests.reader.conftest import FACTS
+from kvmem.tune import lab
+from kvmem.tune.lab import KVMEM, FactKV, Layout, memory_cache, move_keys, reply_logits
+from tests.conftest import FACTS
 
 
 def test_example_is_the_served_prompt(make_example, prompts):
@@ -91,7 +91,7 @@ def test_a_rotary_the_lab_cannot_move_is_refused_before_training(kind, make_exam
     from transformers import CohereConfig, Gemma3TextConfig, Phi3Config
 
     from kvmem.errors import UnsupportedConfigError
-    from kvmem.reader.train import TuneConfig, tune
+    from kvmem.tune.train import TuneConfig, tune
 
     model = {"partial": lambda: _tiny(Phi3Config, partial_rotary_factor=0.5, pad_token_id=0),
              "interleaved": lambda: _tiny(CohereConfig),

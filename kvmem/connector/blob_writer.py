@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmem.engine.plan import SaveJob
-from kvmem.engine.staging import synchronize
+from kvmem.connector.plan import SaveJob
+from kvmem.connector.staging import synchronize
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.codec import encode, role_codecs
 from kvmem.kv.store import KVStore

@@ -27,11 +27,11 @@ from collections.abc import Mapping
 
 import torch
 
-from kvmem.engine.blob_writer import BlobWriter, SaveBatch
-from kvmem.engine.paged import PageLayout, slot_mapping
-from kvmem.engine.plan import ConnectorMeta, LoadJob, SaveJob
-from kvmem.engine.rope import KeyRotator, LayerRotators
-from kvmem.engine.staging import HostStaging, SideStream, synchronize
+from kvmem.connector.blob_writer import BlobWriter, SaveBatch
+from kvmem.connector.paged import PageLayout, slot_mapping
+from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob
+from kvmem.connector.rope import KeyRotator, LayerRotators
+from kvmem.connector.staging import HostStaging, SideStream, synchronize
 from kvmem.errors import AdapterError, BlobError
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.codec import Coded, check_codec, decode_parts, role_codecs

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvmem.engine.plan import ENCODE, INJECT, KEY, ConnectorMeta, LoadJob, Plan, SaveJob, Segment, Span
+from kvmem.connector.plan import ENCODE, INJECT, KEY, ConnectorMeta, LoadJob, Plan, SaveJob, Segment, Span
 from kvmem.errors import BlobError
 from kvmem.kv.store import KVStore
 

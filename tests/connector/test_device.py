@@ -9,11 +9,11 @@ un-rotated them there with a kernel the CUDA build registers for CUDA tensors on
 import pytest
 import torch
 
-from kvmem.engine.paged import PageLayout
-from kvmem.engine.rope import KeyRotator
+from kvmem.connector.paged import PageLayout
+from kvmem.connector.rope import KeyRotator
 from kvmem.kv.store import KVStore
-from tests.engine.backend import cpu_attention_layer, cpu_cache_writer
-from tests.engine.simdevice import DeviceMismatch, OnDevice, SimulatedDevice, to_device, to_host
+from tests.connector.backend import cpu_attention_layer, cpu_cache_writer
+from tests.connector.simdevice import DeviceMismatch, OnDevice, SimulatedDevice, to_device, to_host
 
 # The "device" runs vLLM's CPU kernels on its real data.
 pytestmark = pytest.mark.cpu_backend
@@ -65,7 +65,7 @@ def test_calibrated_gather_runs_on_the_cache_device(model_dir):
 
 
 def worker(tmp_path, rope, model_dir, codec="none", kv_map=None):
-    from kvmem.engine.worker_side import WorkerSide
+    from kvmem.connector.worker_side import WorkerSide
 
     layer = cpu_attention_layer(str(model_dir), BS, DIM)
     return WorkerSide(KVStore(tmp_path, FP), KeyRotator(rope), BS, BLOCKS, HEADS, DIM,
@@ -73,8 +73,8 @@ def worker(tmp_path, rope, model_dir, codec="none", kv_map=None):
 
 
 def test_encode_then_inject_on_the_device_round_trips(tmp_path, rope, model_dir):
-    from kvmem.engine.paged import slot_mapping
-    from kvmem.engine.plan import ConnectorMeta, LoadJob, SaveJob, Span
+    from kvmem.connector.paged import slot_mapping
+    from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob, Span
 
     side = worker(tmp_path, rope, model_dir)
     rotator = KeyRotator(rope)  # the one the worker applies to every layer
@@ -113,7 +113,7 @@ def test_encode_then_inject_on_the_device_round_trips(tmp_path, rope, model_dir)
 
 
 def test_a_failed_injection_reports_blocks_instead_of_raising(tmp_path, rope, model_dir):
-    from kvmem.engine.plan import ConnectorMeta, LoadJob, Span
+    from kvmem.connector.plan import ConnectorMeta, LoadJob, Span
 
     side = worker(tmp_path, rope, model_dir)
     with SimulatedDevice():
@@ -124,8 +124,8 @@ def test_a_failed_injection_reports_blocks_instead_of_raising(tmp_path, rope, mo
 
 def _inject(side, spans_blobs, srv_blocks, map_from=None):
     """Put blobs in the store, inject them as one step's spans; -> the cache's K, V at those slots."""
-    from kvmem.engine.paged import slot_mapping
-    from kvmem.engine.plan import ConnectorMeta, LoadJob
+    from kvmem.connector.paged import slot_mapping
+    from kvmem.connector.plan import ConnectorMeta, LoadJob
 
     for blob in spans_blobs.values():
         side.store.put(blob) if blob.key_position is not None else _put_format1(side.store, blob)
@@ -154,7 +154,7 @@ def _cached(seed: int, n: int, position: int, rotator):
 
 
 def test_a_fact_served_where_it_was_encoded_is_bit_exact_beside_one_that_moves(tmp_path, rope, model_dir):
-    from kvmem.engine.plan import Span
+    from kvmem.connector.plan import Span
     from kvmem.kv.blob import KVBlob
 
     side, rotator = worker(tmp_path, rope, model_dir), KeyRotator(rope)
@@ -174,7 +174,7 @@ def test_a_fact_served_where_it_was_encoded_is_bit_exact_beside_one_that_moves(t
 
 def _head_and_fact(rotator) -> dict:
     """A 10-token header served where it was encoded, and a 12-token fact encoded at 40 served at 10."""
-    from kvmem.engine.plan import Span
+    from kvmem.connector.plan import Span
     from kvmem.kv.blob import KVBlob
 
     _, k_head, v_head = _cached(6, 10, 0, rotator)
@@ -187,7 +187,7 @@ def test_the_readers_kv_map_reaches_the_facts_and_never_the_header(tmp_path, rop
     """Oracle: with a KV map, a chat that asks for it (map_from) gets each fact token's key and
     value through the map, after the move; the header before map_from, and a chat that does not
     ask, get exactly what they get without a map."""
-    from kvmem.engine.plan import Span
+    from kvmem.connector.plan import Span
     from kvmem.reader.kvmap import rotate_half
     from tests.reader.test_kvmap import random_map
 
@@ -234,7 +234,7 @@ def test_a_kv_map_for_another_shape_is_dropped_at_start_and_chats_read_plain_kv(
 
 def test_format_1_blobs_inject_beside_format_2_ones(tmp_path, rope, model_dir):
     """A pre-RoPE float32 blob written before format 2 is rotated to its serving position."""
-    from kvmem.engine.plan import Span
+    from kvmem.connector.plan import Span
     from kvmem.kv.blob import KVBlob
 
     side, rotator = worker(tmp_path, rope, model_dir), KeyRotator(rope)
@@ -253,8 +253,8 @@ def test_format_1_blobs_inject_beside_format_2_ones(tmp_path, rope, model_dir):
 @pytest.mark.parametrize("codec", ["int8", "int4", "k8v4", "k4v8", "int7", "int6", "int4h", "k7v8"])
 def test_coded_blobs_are_encoded_and_decoded_on_their_way(tmp_path, rope, model_dir, codec):
     """Encode with a codec, inject where encoded: the cache gets the codec's decode of the keys."""
-    from kvmem.engine.paged import slot_mapping
-    from kvmem.engine.plan import ConnectorMeta, SaveJob, Span
+    from kvmem.connector.paged import slot_mapping
+    from kvmem.connector.plan import ConnectorMeta, SaveJob, Span
     from kvmem.kv.codec import encode, role_codecs
 
     keys, values = role_codecs(codec)

@@ -1,4 +1,4 @@
-"""The KV connector vLLM loads by module path (`kvmem.engine.connector.KvmemConnector`).
+"""The KV connector vLLM loads by module path (`kvmem.connector.connector.KvmemConnector`).
 
 vLLM builds one instance per role: the SCHEDULER instance (engine-core process) decides which
 prompt tokens are "externally computed" and plans loads/saves; the WORKER instance (worker
@@ -33,11 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from kvmem.engine.plan import KEY, ConnectorMeta
-from kvmem.engine.rope import KeyRotator, is_rotary
-from kvmem.engine.scheduler_side import SchedulerSide
-from kvmem.engine.support import leave_map_refusal, map_refused, refuse_unsupported
-from kvmem.engine.worker_side import WorkerSide
+from kvmem.connector.plan import KEY, ConnectorMeta
+from kvmem.connector.rope import KeyRotator, is_rotary
+from kvmem.connector.scheduler_side import SchedulerSide
+from kvmem.connector.support import leave_map_refusal, map_refused, refuse_unsupported
+from kvmem.connector.worker_side import WorkerSide
 from kvmem.kv.store import KVStore
 from kvmem.reader import kvmap
 

@@ -13,7 +13,7 @@ import statistics
 import torch
 from tqdm import tqdm
 
-from kvmem.reader.lab import KVMEM, Example, Layout, memory_cache, reply_logits, teacher_reply
+from kvmem.tune.lab import KVMEM, Example, Layout, memory_cache, reply_logits, teacher_reply
 
 
 def kl_per_token(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:

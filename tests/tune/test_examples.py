@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvmem.config import Config, KVConfig
-from kvmem.reader.examples import locomo_examples
+from kvmem.tune.examples import locomo_examples
 from kvmem.service import KVMem
 
 ASKED = {"D1:3": "How did the pottery class go?", "D2:5": "Did you ever fix that blue bicycle?",

@@ -1,6 +1,6 @@
 import pytest
 
-from kvmem.engine.plan import ENCODE, INJECT, Plan, Segment
+from kvmem.connector.plan import ENCODE, INJECT, Plan, Segment
 
 
 def test_wire_round_trip_sorts_segments():

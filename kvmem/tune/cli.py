@@ -13,7 +13,7 @@ from pathlib import Path
 from kvmem.bench import locomo
 from kvmem.cli import _non_negative_int
 from kvmem.reader.lora import TARGETS
-from kvmem.reader.train import TUNE_CONVERSATIONS
+from kvmem.tune.train import TUNE_CONVERSATIONS
 
 REPORT_CONVERSATIONS = ("conv-42", "conv-43", "conv-44", "conv-47")
 
@@ -94,7 +94,7 @@ def add_parser(sub) -> None:
 
 def tune_config(args: argparse.Namespace):
     """The training settings of a `tune-reader` command line."""
-    from kvmem.reader.train import TuneConfig
+    from kvmem.tune.train import TuneConfig
 
     return TuneConfig(rank=args.rank, alpha=args.alpha or 2.0 * args.rank, lr=args.lr, epochs=args.epochs,
                       reply_tokens=args.reply_tokens, seed=args.seed, first_weight=args.first_weight,
@@ -104,9 +104,9 @@ def tune_config(args: argparse.Namespace):
 def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     from kvmem.errors import UnsupportedConfigError
     from kvmem.reader import adapters, kvmap, lora
-    from kvmem.reader.examples import locomo_examples
-    from kvmem.reader.lab import check_rotary
-    from kvmem.reader.train import eos_ids, evaluate, load_model, tune
+    from kvmem.tune.examples import locomo_examples
+    from kvmem.tune.lab import check_rotary
+    from kvmem.tune.train import eos_ids, evaluate, load_model, tune
     from kvmem.service import KVMem
 
     overlap = set(args.conversations) & set(args.eval_conversations)

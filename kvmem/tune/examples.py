@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvmem.reader.lab import Example
+from kvmem.tune.lab import Example
 
 ASKED = ("questions", "turns")
 

@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from kvmem.reader import kvmap, lora
-from kvmem.reader.lab import Example, FactKV, check_rotary, memory_cache, reply_logits, teacher_reply
-from kvmem.reader.measure import kl_per_token
+from kvmem.tune.lab import Example, FactKV, check_rotary, memory_cache, reply_logits, teacher_reply
+from kvmem.tune.measure import kl_per_token
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def evaluate(model, wrapped, examples: list[Example], eos: set[int], reply_token
              progress: bool = True, kv_map: kvmap.KVMap | None = None) -> dict[str, dict[str, float]]:
     """KV mode without and with the adapter (its LoRA, if `wrapped` has one, and its KV map, if
     given), each against text prefill (see measure.compare)."""
-    from kvmem.reader.measure import compare, summarize
+    from kvmem.tune.measure import compare, summarize
 
     rows: dict[str, list] = {"kv": [], "kv+adapter": []}
     facts = FactKV()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvmem.reader import kvmap, lora
-from kvmem.reader.train import TuneConfig, load_model, tune
-from tests.reader.conftest import FACTS
+from kvmem.tune.train import TuneConfig, load_model, tune
+from tests.conftest import FACTS
 
 
 def _examples(make_example):
@@ -56,7 +56,7 @@ def test_loss_falls_and_a_lora_alone_is_saved(model_dir, make_example, eos, tmp_
 
 
 def test_reply_loss_weights_the_first_token():
-    from kvmem.reader.train import reply_loss
+    from kvmem.tune.train import reply_loss
 
     kl = torch.tensor([1.0, 0.0, 0.0, 0.0])
     assert reply_loss(kl).item() == 0.25  # weight 1: the plain mean

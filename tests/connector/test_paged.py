@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvmem.engine.paged import PageLayout
-from tests.engine.backend import cpu_cache_writer
+from kvmem.connector.paged import PageLayout
+from tests.connector.backend import cpu_cache_writer
 
 
 @pytest.mark.cpu_backend
