@@ -22,14 +22,15 @@ import json, time, tempfile
 from dataclasses import replace
 from pathlib import Path
 from kvmem.config import Config, default_home
-from kvmem.engine.llm import Engine, EngineRequest
+from kvmem.engine.llm import LocalEngine
+from kvmem.engine.protocol import EngineRequest
 from kvmem.model import resolve_model
 
 def main():
     config = replace(Config.from_env(), home=Path(tempfile.mkdtemp()), models_home=default_home() / "models")
     model = resolve_model(None, default_home() / "models")
     t0 = time.perf_counter()
-    engine = Engine(model, config)
+    engine = LocalEngine(model, config)
     started = time.perf_counter() - t0
     times = []
     for first in (100, 500):

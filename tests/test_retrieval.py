@@ -33,7 +33,7 @@ def rebuilt(mem) -> LexicalIndex:
 def assert_in_step(mem, user: str) -> None:
     fresh = rebuilt(mem)
     for q in QUERIES:
-        assert mem.lexical.search(user, q, 20) == fresh.search(user, q, 20), q
+        assert mem.retrieval.lexical.search(user, q, 20) == fresh.search(user, q, 20), q
 
 
 def test_a_fact_named_by_the_query_is_found(mem):
@@ -65,9 +65,9 @@ def test_lexical_index_follows_updates_deletes_and_filters(mem):
     assert_in_step(mem, "u")
     assert [h.text for h in mem.search("Bertha", user_id="other", k=5, ranking="lexical")] == ["Bertha is Tom's grandmother."]
     mem.delete_all(user_id="u")
-    assert mem.search("pottery", user_id="u", k=5) == [] and mem.lexical.count("u") == 0
+    assert mem.search("pottery", user_id="u", k=5) == [] and mem.retrieval.lexical.count("u") == 0
     mem.reset()
-    assert mem.lexical.count("other") == 0
+    assert mem.retrieval.lexical.count("other") == 0
 
 
 PUPPY = [{"role": "user", "content": "My sister adopted a puppy called Bruno."},

@@ -116,9 +116,9 @@ def test_delete_forgets_text_vector_and_blob(mem):
     keep = add_fact(mem, "forget", "I have a cat named Pixel.")
     gone = add_fact(mem, "forget", "My bank PIN is zulu-wombat-quokka.")
     blob_path = mem.kv.path(gone.id)
-    assert blob_path.exists() and mem.index.count("forget") == 2
+    assert blob_path.exists() and mem.retrieval.dense.count("forget") == 2
     mem.delete(gone.id)
-    assert not blob_path.exists() and mem.index.count("forget") == 1
+    assert not blob_path.exists() and mem.retrieval.dense.count("forget") == 1
     assert all(h.id != gone.id for h in mem.search("My bank PIN is zulu-wombat-quokka.", user_id="forget", k=10))
     r = mem.chat("My bank PIN is zulu-wombat-quokka.", user_id="forget", k=10, mode="kv", max_tokens=8)
     assert gone.id not in r.fact_ids and keep.id in r.fact_ids
@@ -145,14 +145,14 @@ def test_ten_threads_adding_fifty_facts_each_lose_nothing(mem):
     in_threads(lambda t: mem.add(facts=[f"Thread {t} fact {i}: item {t * 100 + i} is stored." for i in range(50)],
                                  user_id="threads", encode="none"), 10)
     records = mem.get_all(user_id="threads", limit=1000)
-    assert len(records) == 500 and mem.index.count("threads") == 500 and len({r.id for r in records}) == 500
+    assert len(records) == 500 and mem.retrieval.dense.count("threads") == 500 and len({r.id for r in records}) == 500
 
 
 def test_ten_threads_adding_and_encoding_at_once_get_every_blob(mem):
     in_threads(lambda t: mem.add(facts=[f"Thread {t} note {i}: box {t * 10 + i} is blue." for i in range(3)],
                                  user_id="threads-kv"), 10)
     records = mem.get_all(user_id="threads-kv", limit=1000)
-    assert len(records) == 30 and mem.index.count("threads-kv") == 30
+    assert len(records) == 30 and mem.retrieval.dense.count("threads-kv") == 30
     assert sum(mem.kv.exists(r.id) for r in records) == 30
     assert all(r.kv_status == "encoded" for r in records)
 

@@ -43,7 +43,7 @@ def test_quota_evicts_serves_text_and_brings_hot_facts_back(open_home):
     m = open_home(tenant_quota_mib=quota / (1 << 20))
     status = {f: m.get(f).kv_status for f in alice}
     (evicted,) = [f for f, s in status.items() if s == "evicted"]
-    assert not m.kv.exists(evicted) and m.budget.tenant_bytes("tier-alice") <= quota
+    assert not m.kv.exists(evicted) and m.keeper.budget.tenant_bytes("tier-alice") <= quota
     assert m.get(bob).kv_status == "encoded" and m.kv.exists(bob)  # under its own quota
 
     # Retrieval puts the two facts with KV first, so only the evicted one is text.
@@ -57,7 +57,7 @@ def test_quota_evicts_serves_text_and_brings_hot_facts_back(open_home):
     assert m.encode_pending(timeout=120)
     assert m.get(evicted).kv_status == "encoded" and m.kv.exists(evicted)
     assert sum(m.get(f).kv_status == "evicted" for f in alice) == 1  # another one made room
-    assert m.budget.tenant_bytes("tier-alice") <= quota
+    assert m.keeper.budget.tenant_bytes("tier-alice") <= quota
 
     # Another fact after it, so that the engine's own prefix cache (filled by the last chat, which
     # computed this fact as text) does not cover the prompt and the blob is what serves it.
@@ -72,7 +72,7 @@ def test_quota_evicts_serves_text_and_brings_hot_facts_back(open_home):
 def test_forgetting_an_evicted_fact_and_deleting_a_user_return_the_bytes(open_home):
     m = open_home(tenant_quota_mib=0)  # a quota of nothing: every blob is evicted once written
     ids = m.add(facts=ALICE[:2], user_id="tier-zero").ids
-    assert all(m.get(f).kv_status == "evicted" for f in ids) and m.budget.tenant_bytes("tier-zero") == 0
+    assert all(m.get(f).kv_status == "evicted" for f in ids) and m.keeper.budget.tenant_bytes("tier-zero") == 0
     r = m.chat("Who plays the cello?", user_id="tier-zero", k=2, max_tokens=2)
     assert r.fallbacks == 2 and m.kv_tiers()["readmissions"] == 0  # can never fit: not re-encoded
     m.delete(ids[0])

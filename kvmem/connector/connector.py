@@ -7,12 +7,10 @@ scheduler_side.py and worker_side.py; this class only adapts vLLM's hook names t
 refuses at construction what kvmem cannot serve (support.py).
 
 Everything a worker needs travels in the per-step metadata (plan.ConnectorMeta); configuration
-comes from `kv_connector_extra_config`: kv_dir, fingerprint, codec, hot_cache_mib, shared_url
-(the shared Redis tier, kv/shared.py; absent or null: the local folder only), reader_adapter
-(the served reader adapter's folder, whose KV map the worker applies to the facts of chats that
-ask for it, where the map fits the model: else the worker drops it and says why in kv_dir, and
-the scheduler side reports no chat mapped; absent or null: none), and is_neox_style (only used
-when the model's own rotary embedding is not found).
+comes from `kv_connector_extra_config`, read as a plan.ConnectorSettings (its fields and defaults
+are documented there). A reader adapter's KV map that does not fit the model is dropped by the
+worker, which says why in kv_dir; the scheduler side then reports no chat mapped. Each finished
+inject request carries a plan.InjectionReport back in its kv_transfer_params.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-from kvmem.connector.plan import KEY, ConnectorMeta
+from kvmem.connector.plan import ConnectorMeta, ConnectorSettings
 from kvmem.connector.rope import KeyRotator, is_rotary
 from kvmem.connector.scheduler_side import SchedulerSide
 from kvmem.connector.support import leave_map_refusal, map_refused, refuse_unsupported
@@ -69,26 +68,26 @@ class KvmemStats(KVConnectorStats):
 class KvmemConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config
-        refuse_unsupported(vllm_config, kv_cache_config, report_dir=extra.get("kv_dir"))
+        settings = ConnectorSettings.from_params(self._kv_transfer_config.kv_connector_extra_config)
+        refuse_unsupported(vllm_config, kv_cache_config, report_dir=settings.kv_dir)
         # One store for both halves when they share a process, so the scheduler's checks fill
         # the RAM tier that the worker then reads.
-        store = KVStore.shared(extra["kv_dir"], extra["fingerprint"], int(extra.get("hot_cache_mib", 512)) << 20,
-                               shared_url=extra.get("shared_url"))
+        store = KVStore.shared(settings.kv_dir, settings.fingerprint, settings.hot_cache_mib << 20,
+                               shared_url=settings.shared_url)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._tier_totals = KvmemStats()  # scheduler: every worker's reports, summed
         self._tier_totals.reset()
-        self._extra = extra
+        self._settings = settings
         if role == KVConnectorRole.SCHEDULER:
             # The worker registered its caches (and judged the map) before this side is built.
-            mapping = kvmap.load(extra.get("reader_adapter")) is not None \
-                and map_refused(extra.get("kv_dir"), extra["fingerprint"]) is None
+            mapping = kvmap.load(settings.reader_adapter) is not None \
+                and map_refused(settings.kv_dir, settings.fingerprint) is None
             self._scheduler = SchedulerSide(store, block_size, kv_map=mapping)
         else:
             store.worker_attached = True
-            self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, extra)
+            self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, settings)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -114,10 +113,13 @@ class KvmemConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per finished request, before its blocks are freed: True keeps them
         until the worker reports the request in get_finished (an encode still being copied)."""
-        delay, params = self._scheduler.request_finished(request)
-        if params is not None:  # RAM-tier totals as of the last step (a request's own loads may lag a step)
-            params[KEY].update(tier_totals=dict(self._tier_totals.data))
-        return delay, params
+        delay, report = self._scheduler.request_finished(request)
+        if report is None:
+            return delay, None
+        # RAM-tier totals as of the last step (a request's own loads may lag a step).
+        totals = self._tier_totals.data
+        report = replace(report, ram_tier_hits=totals.get("ram_hits", 0), ram_tier_loads=totals.get("disk_loads", 0))
+        return delay, report.to_params()
 
     def update_connector_output(self, connector_output) -> None:
         """Scheduler, each step, with what the workers reported (encodes whose copy is done)."""
@@ -137,8 +139,8 @@ class KvmemConnector(KVConnectorBase_V1):
         """Worker, once at start-up, after the paged caches are allocated (and before the
         scheduler side is built, which reads the worker's verdict on the reader's KV map)."""
         self._worker.register_kv_caches(kv_caches)
-        if self._extra.get("reader_adapter") and self._extra.get("kv_dir"):
-            leave_map_refusal(self._extra["kv_dir"], self._extra["fingerprint"], self._worker.map_refusal)
+        if self._settings.reader_adapter:
+            leave_map_refusal(self._settings.kv_dir, self._settings.fingerprint, self._worker.map_refusal)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Worker, each step, before the forward pass: queue this step's injections."""
@@ -188,23 +190,24 @@ class KvmemConnector(KVConnectorBase_V1):
             self._worker.close()
 
 
-def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int, extra: dict) -> WorkerSide:
+def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,
+                  settings: ConnectorSettings) -> WorkerSide:
     model_config = vllm_config.model_config
     head_size = model_config.get_head_size()
     return WorkerSide(
         store=store,
-        rotator=_layer_rotators(vllm_config, head_size, extra),
+        rotator=_layer_rotators(vllm_config, head_size, settings.is_neox_style),
         block_size=block_size,
         num_blocks=kv_cache_config.num_blocks,
         num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
         head_size=head_size,
-        codec=extra.get("codec", "none"),
+        codec=settings.codec,
         layers=vllm_config.compilation_config.static_forward_context,
-        kv_map=kvmap.load(extra.get("reader_adapter")),
+        kv_map=kvmap.load(settings.reader_adapter),
     )
 
 
-def _layer_rotators(vllm_config, head_size: int, extra: dict) -> KeyRotator | dict[str, KeyRotator]:
+def _layer_rotators(vllm_config, head_size: int, is_neox_style: bool) -> KeyRotator | dict[str, KeyRotator]:
     """Each attention layer's own rotary embedding (Gemma 3's local and global layers differ in
     base), taken from the loaded model; else the model's single one for every layer."""
     layers = vllm_config.compilation_config.static_forward_context
@@ -213,7 +216,7 @@ def _layer_rotators(vllm_config, head_size: int, extra: dict) -> KeyRotator | di
     if attention and ropes.keys() == attention.keys():
         shared: dict[int, KeyRotator] = {}
         return {name: shared.setdefault(id(rope), KeyRotator(rope)) for name, rope in ropes.items()}
-    return KeyRotator(_model_rope(vllm_config, head_size, extra))
+    return KeyRotator(_model_rope(vllm_config, head_size, is_neox_style))
 
 
 def _sibling_ropes(layers: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
@@ -236,7 +239,7 @@ def _sibling_ropes(layers: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Mod
     return found
 
 
-def _model_rope(vllm_config, head_size: int, extra: dict):
+def _model_rope(vllm_config, head_size: int, is_neox_style: bool):
     """The rotary embedding the model itself uses (its style, scaling and table), else one built
     from the config. The worker connector is built after the model is loaded, and vLLM's
     get_rope caches every instance it builds, so the model's own is found there."""
@@ -248,12 +251,12 @@ def _model_rope(vllm_config, head_size: int, extra: dict):
         raise NotImplementedError(f"the model uses {len(built)} different rotary embeddings ({styles}); kvmem needs one")
     hf = vllm_config.model_config.hf_text_config
     log.warning("model's rotary embedding not found; building one from the config (is_neox_style=%s)",
-                extra.get("is_neox_style", True))
+                is_neox_style)
     with set_current_vllm_config(vllm_config):  # get_rope builds a CustomOp, which needs the config
         return get_rope(
             head_size,
             max_position=hf.max_position_embeddings,
-            is_neox_style=bool(extra.get("is_neox_style", True)),
+            is_neox_style=is_neox_style,
             rope_parameters=getattr(hf, "rope_parameters", None),
             dtype=vllm_config.model_config.dtype,
         )

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvmem.connector.plan import ENCODE, INJECT, KEY, ConnectorMeta, LoadJob, Plan, SaveJob, Segment, Span
+from kvmem.connector.plan import ENCODE, INJECT, ConnectorMeta, InjectionReport, LoadJob, Plan, SaveJob, Segment, Span
 from kvmem.errors import BlobError
 from kvmem.kv.store import KVStore
 
@@ -105,8 +105,8 @@ class SchedulerSide:
                 del self._saves[req_id]
         return meta
 
-    def request_finished(self, request) -> tuple[bool, dict[str, Any] | None]:
-        """-> (delay freeing the blocks, kv_transfer_params for the request's output).
+    def request_finished(self, request) -> tuple[bool, InjectionReport | None]:
+        """-> (delay freeing the blocks, what was injected: None for a request with no claim).
 
         Blocks are kept while the worker still copies an encode's KV out of them; it reports the
         request in get_finished once the copy is done, and vLLM frees them then.
@@ -120,18 +120,13 @@ class SchedulerSide:
         claim = self._claims.pop(request.request_id, None)
         if claim is None:
             return delay, None
-        return delay, {KEY: {
-            "claimed_tokens": claim.claimed,
-            "local_hit_tokens": claim.local_hit,
-            "inject_end": claim.end,
-            "injected_facts": len(claim.segments),
-            "facts_as_text": claim.facts_as_text,
-            "ram_hits": claim.ram_hits,
-            "disk_loads": claim.disk_loads,
-            "fallbacks": claim.fallbacks,
-            "kv_map": self.kv_map and claim.map_from is not None and claim.map_from < claim.end,
-            "held_for_copies": len(self._held),  # encodes whose blocks still wait for the worker
-        }}
+        return delay, InjectionReport(
+            claimed_tokens=claim.claimed, local_hit_tokens=claim.local_hit, inject_end=claim.end,
+            injected_segments=len(claim.segments), facts_as_text=claim.facts_as_text, ram_hits=claim.ram_hits,
+            disk_loads=claim.disk_loads, fallbacks=claim.fallbacks,
+            kv_map=self.kv_map and claim.map_from is not None and claim.map_from < claim.end,
+            held_for_copies=len(self._held),  # encodes whose blocks still wait for the worker
+        )
 
     def copies_done(self, req_ids) -> None:
         """The worker reported these encodes' copies done (vLLM frees their blocks now)."""

@@ -23,10 +23,11 @@ from concurrent.futures import FIRST_EXCEPTION, Future, InvalidStateError, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from kvmem.config import Config
-from kvmem.connector.plan import ENCODE, KEY, Plan
+from kvmem.connector.plan import ENCODE, InjectionReport
+from kvmem.engine.protocol import BLOB_WAIT_S, EngineRequest, EngineResult, EngineStatus
 from kvmem.engine.replica import transfer_config
 from kvmem.connector.support import map_refused, take_refusal
 from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
@@ -37,34 +38,7 @@ from kvmem.reader.lora import folder_targets, has_lora, lora_rank
 
 log = logging.getLogger(__name__)
 
-BLOB_WAIT_S = 30.0  # a blob write takes milliseconds; only a failed one waits this long
 CANCEL_POLL_S = 0.05  # how often a waiting caller looks at its cancel event
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    token_ids: tuple[int, ...]
-    salt: str  # vLLM cache_salt: prefix-cache blocks are shared only between equal salts
-    max_tokens: int = 64
-    plan: Plan | None = None
-    logprobs: int | None = None  # top-n logprobs per generated token
-    score_last: int = 0  # >0: return the logprobs of the last n prompt tokens (teacher forcing)
-    reader: bool = False  # read with the reader adapter (KV-mode chats), where the engine has one
-    route: str = ""  # whose request (the user): a RemoteEngine sends a user's requests to one replica
-
-
-@dataclass(frozen=True)
-class EngineResult:
-    token_ids: tuple[int, ...]
-    text: str
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens not prefilled: vLLM prefix-cache hits plus injected ones
-    connector: dict[str, Any] = field(default_factory=dict)  # the connector's accounting
-    first_logprobs: dict[int, float] = field(default_factory=dict)
-    scored: tuple[float, ...] = ()  # logprob of each of the last `score_last` prompt tokens
-    adapter: bool = False  # read with the reader adapter: vLLM ran its LoRA, or the connector its KV map
 
 
 @dataclass
@@ -78,7 +52,9 @@ class _Pending:
     finished: tuple | None = None  # (output, time) once vLLM finished it, while its blobs are awaited
 
 
-class Engine:
+class LocalEngine:
+    """vLLM in this process (protocol.Engine)."""
+
     def __init__(self, model: ModelInfo, config: Config) -> None:
         ec = config.engine
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(ec.cpu_kv_space_gib))
@@ -141,6 +117,17 @@ class Engine:
                 self.cancel(futures)
                 raise RequestCancelled(f"{len(pending)} of {len(futures)} requests cancelled before they finished")
         return [f.result() for f in futures]
+
+    def encode(self, requests: list[EngineRequest]) -> None:
+        """Run ENCODE requests; run() already waits for their blob files."""
+        self.run(requests)
+
+    def health(self) -> bool:
+        return not self._stopping and self._driver.is_alive()
+
+    def status(self) -> EngineStatus:
+        adapter = str(self.reader_adapter) if self.reader_adapter is not None else None
+        return EngineStatus("local", self.health(), adapter, self.aborted)
 
     def cancel(self, futures: list[Future]) -> None:
         """Abort these requests in the engine (the driver does it before its next step)."""
@@ -381,7 +368,7 @@ def _sampling(req: EngineRequest, reading: bool = False):
 
 def _result(out, p: _Pending, done: float) -> EngineResult:
     completion = out.outputs[0]
-    connector = (out.kv_transfer_params or {}).get(KEY, {})
+    injection = InjectionReport.from_params(out.kv_transfer_params)
     logprobs = {tok: lp.logprob for tok, lp in completion.logprobs[0].items()} if completion.logprobs else {}
     return EngineResult(
         token_ids=tuple(completion.token_ids),
@@ -390,10 +377,10 @@ def _result(out, p: _Pending, done: float) -> EngineResult:
         latency_s=done - p.submitted,
         prompt_tokens=len(out.prompt_token_ids),
         cached_tokens=out.num_cached_tokens or 0,
-        connector=connector,
+        injection=injection,
         first_logprobs=logprobs,
         scored=_scored(out, p.request) if p.request.score_last else (),
-        adapter=getattr(out, "lora_request", None) is not None or bool(connector.get("kv_map")),
+        adapter=getattr(out, "lora_request", None) is not None or bool(injection and injection.kv_map),
     )
 
 

@@ -54,7 +54,7 @@ class PromptBuilder:
         tokenizing them one call at a time); the ones not seen yet go to the tokenizer in one call."""
         for text in texts:
             if not isinstance(text, str) or not text.strip():
-                raise InvalidInputError("a fact must be a non-empty string")
+                raise InvalidInputError("a fact must be a non-empty string", param="facts")
         missing = list(dict.fromkeys(t for t in texts if t not in self._fact_cache))
         if missing:
             rendered = [self.config.fact_template.format(text=t.strip()) for t in missing]
@@ -106,7 +106,8 @@ class PromptBuilder:
 
 def _check_messages(messages: list[dict]) -> None:
     if not messages:
-        raise InvalidInputError("a chat needs at least one message")
+        raise InvalidInputError("a chat needs at least one message", param="messages")
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
-            raise InvalidInputError(f"messages must be {{'role': 'user'|'assistant', 'content': str}}, got {m!r}")
+            raise InvalidInputError(f"messages must be {{'role': 'user'|'assistant', 'content': str}}, got {m!r}",
+                                    param="messages")

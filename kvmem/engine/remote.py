@@ -37,8 +37,8 @@ from typing import Callable, Iterator
 import httpx
 
 from kvmem.engine.health import PROBE_S, Health, served_models
-from kvmem.engine.llm import BLOB_WAIT_S, EngineRequest, EngineResult
-from kvmem.connector.plan import ENCODE, KEY
+from kvmem.connector.plan import ENCODE, InjectionReport
+from kvmem.engine.protocol import BLOB_WAIT_S, EngineRequest, EngineResult, EngineStatus
 from kvmem.engine.replica import reader_name, served_name
 from kvmem.errors import EngineError, RequestCancelled
 from kvmem.kv.store import KVStore
@@ -80,9 +80,9 @@ class RemoteEngine:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvmem-remote")
         down = self._check_models()
         # Probed from now on, the weights being checked; those down at start are passed over.
-        self.health = Health(self.urls, lambda ids: self.name in ids, probe_s=probe_s)
+        self.replicas = Health(self.urls, lambda ids: self.name in ids, probe_s=probe_s)
         for url in down:
-            self.health.mark_down(url)
+            self.replicas.mark_down(url)
 
     def _check_models(self) -> list[str]:
         """At least one replica must answer, and every one that does must serve our weights;
@@ -108,7 +108,7 @@ class RemoteEngine:
 
     def route(self, key: str) -> list[str]:
         """Replicas to try for this user, best first; those marked down go last."""
-        return self.health.order(rendezvous(key, self.urls))
+        return self.replicas.order(rendezvous(key, self.urls))
 
     def _send(self, request: EngineRequest, body: dict, stream: bool = False):
         """POST to the user's replicas in turn until one answers; -> (url, response)."""
@@ -131,9 +131,24 @@ class RemoteEngine:
                     return url, response
                 errors.append(f"{url}: HTTP {response.status_code}")
                 response.close()
-            self.health.mark_down(url)
+            self.replicas.mark_down(url)
             log.warning("replica %s failed (%s); trying the next one", url, errors[-1])
         raise EngineError(f"no replica answered: {'; '.join(errors)}")
+
+    def encode(self, requests: list[EngineRequest]) -> None:
+        """Run ENCODE requests; run() already waits for their blobs to appear."""
+        self.run(requests)
+
+    def health(self) -> bool:
+        """At least one replica is not marked down."""
+        return any(not self.replicas.is_down(u) for u in self.urls)
+
+    def status(self) -> EngineStatus:
+        down = tuple(u for u in self.urls if self.replicas.is_down(u))
+        answered = tuple((url, first, n) for (url, first), n in sorted(self.answered.items()))
+        return EngineStatus("remote", len(down) < len(self.urls), self.reader_adapter, self.aborted,
+                            replicas_up=tuple(u for u in self.urls if u not in down), replicas_down=down,
+                            failovers=self.failovers, answered=answered)
 
     def submit(self, request: EngineRequest, on_text: Callable[[str], None] | None = None) -> Future:
         """Send one request; the future resolves to its EngineResult (on_text is not called)."""
@@ -182,14 +197,14 @@ class RemoteEngine:
         choice = body["choices"][0]
         top = ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0] or {}
         usage = body.get("usage") or {}
-        connector = (body.get("kv_transfer_params") or {}).get(KEY, {})
+        injection = InjectionReport.from_params(body.get("kv_transfer_params"))
         self._await_blobs(stamps, done)
         return EngineResult(
             token_ids=tuple(_token_ids(choice)), text=choice.get("text", ""), ttft_s=done - start,
             latency_s=done - start, prompt_tokens=usage.get("prompt_tokens", len(request.token_ids)),
-            cached_tokens=_cached(usage), connector=connector,
+            cached_tokens=_cached(usage), injection=injection,
             first_logprobs={_id(t): lp for t, lp in top.items()} if request.logprobs else {},
-            adapter=bool(request.reader and self.reader_adapter) or bool(connector.get("kv_map")),
+            adapter=bool(request.reader and self.reader_adapter) or bool(injection and injection.kv_map),
         )
 
     def _body(self, request: EngineRequest) -> dict:
@@ -221,7 +236,7 @@ class RemoteEngine:
             return False
 
     def close(self) -> None:
-        self.health.close()
+        self.replicas.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from kvmem.config import Config
+from kvmem.connector.plan import ConnectorSettings
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
 from kvmem.reader.lora import folder_targets, has_lora, lora_rank
@@ -29,14 +30,11 @@ def transfer_config(config: Config, model: ModelInfo, adapter: Path | None = Non
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",  # a blob that fails to load is prefilled as text
-        "kv_connector_extra_config": {
-            "kv_dir": str(config.kv_dir),
-            "fingerprint": model.fingerprint,
-            "codec": config.kv.codec,
-            "hot_cache_mib": config.kv.hot_cache_mib,
-            "shared_url": config.kv.shared_url,
-            "reader_adapter": str(adapter) if adapter is not None else None,
-        },
+        "kv_connector_extra_config": ConnectorSettings(
+            kv_dir=str(config.kv_dir), fingerprint=model.fingerprint, codec=config.kv.codec,
+            hot_cache_mib=config.kv.hot_cache_mib, shared_url=config.kv.shared_url,
+            reader_adapter=str(adapter) if adapter is not None else None,
+        ).to_params(),
     }
 
 

@@ -1,7 +1,8 @@
 """Prometheus metrics: chat TTFT per mode, injected tokens, fallbacks, rejections, and store gauges.
 
 Counters and the histogram are updated per request; the store gauges (encode queue depth, KV
-store bytes, facts) are read from KVMem when /metrics is scraped.
+store bytes, facts, tiers, the engine's counters) are read from KVMem.status() when /metrics is
+scraped.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvmem.errors import InvalidInputError
-from kvmem.facts.store import MAX_LIMIT
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -52,7 +51,7 @@ class _StoreCollector:
 
     def __init__(self, runtime) -> None:
         self.runtime = runtime
-        self._store: tuple[float, int, int, int] | None = None  # (when, queue depth, kv bytes, facts)
+        self._store: tuple[float, object] | None = None  # (when, KVMem.status())
 
     def describe(self):
         return []  # computed at scrape time; nothing to check at registration
@@ -63,27 +62,27 @@ class _StoreCollector:
             return
         now = time.monotonic()
         if self._store is None or now - self._store[0] > self.STORE_TTL_S:
-            self._store = (now, queue_depth(mem), mem.kv.total_bytes(), mem.facts.count())
-        _, depth, kv_bytes, facts = self._store
-        yield GaugeMetricFamily("kvmem_encode_queue_depth", "Facts waiting for their KV to be encoded", value=depth)
-        yield GaugeMetricFamily("kvmem_kv_store_bytes", "Bytes of KV blobs on disk", value=kv_bytes)
-        yield GaugeMetricFamily("kvmem_facts", "Facts stored (all tenants)", value=facts)
-        yield from _tier_metrics(mem)
+            self._store = (now, mem.status())
+        status = self._store[1]
+        yield GaugeMetricFamily("kvmem_encode_queue_depth", "Facts waiting for their KV to be encoded",
+                                value=status.encode_queue)
+        yield GaugeMetricFamily("kvmem_kv_store_bytes", "Bytes of KV blobs on disk", value=status.kv_bytes)
+        yield GaugeMetricFamily("kvmem_facts", "Facts stored (all tenants)", value=status.facts)
+        yield from _tier_metrics(status.tiers)
+        engine = status.engine
         yield CounterMetricFamily("kvmem_requests_aborted", "Engine requests aborted because their caller went away",
-                                  value=getattr(getattr(mem, "engine", None), "aborted", 0))
-        answered = getattr(getattr(mem, "engine", None), "answered", None)
-        if answered is not None:  # behind replicas (kvmem gateway)
+                                  value=engine.aborted if engine else 0)
+        if engine is not None and engine.kind == "remote":  # behind replicas (kvmem gateway)
             family = CounterMetricFamily("kvmem_replica_requests", "Engine requests answered per replica; affinity "
                                          "'first' when it was the user's first choice (rendezvous hashing)",
                                          labels=["replica", "affinity"])
-            for (url, first), n in sorted(answered.items()):
+            for url, first, n in engine.answered:
                 family.add_metric([url, "first" if first else "other"], n)
             yield family
 
 
-def _tier_metrics(mem):
+def _tier_metrics(tiers: dict):
     """The KV tiers: RAM (decoded blobs in the engine process) and disk (blob files)."""
-    tiers = mem.kv_tiers()
     hits = CounterMetricFamily("kvmem_kv_tier_hits", "Fact blobs found in this tier (disk: facts served from KV; "
                                "ram: blobs the engine did not have to read from disk)", labels=["tier"])
     misses = CounterMetricFamily("kvmem_kv_tier_misses", "Fact blobs not found in this tier (disk: facts served "
@@ -105,13 +104,3 @@ def _tier_metrics(mem):
                               value=tiers["evictions"])
     yield CounterMetricFamily("kvmem_kv_readmissions", "Evicted facts queued for re-encoding because chats used them",
                               value=tiers["readmissions"])
-
-
-def queue_depth(mem) -> int:
-    encoder = getattr(mem, "encoder", None)
-    if encoder is None:
-        return 0
-    try:
-        return encoder.queue_depth()
-    except InvalidInputError:  # Encoder.queue_depth asks the store for more rows than it allows
-        return len(mem.facts.pending(limit=MAX_LIMIT, max_attempts=encoder.max_attempts))

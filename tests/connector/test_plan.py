@@ -26,3 +26,34 @@ def test_map_from_travels_and_is_dropped_for_a_request_without_the_reader():
     for bad in (-1, "10", True):
         with pytest.raises(ValueError, match="map_from"):
             Plan.from_params({"kvmem": {**plan.to_params()["kvmem"], "map_from": bad}})
+
+
+def test_injection_report_round_trips_through_kv_transfer_params():
+    from kvmem.connector.plan import InjectionReport
+
+    report = InjectionReport(claimed_tokens=40, local_hit_tokens=8, inject_end=40, injected_segments=3,
+                             facts_as_text=1, ram_hits=2, disk_loads=1, fallbacks={"f-1": "stale"}, kv_map=True,
+                             held_for_copies=0, ram_tier_hits=9, ram_tier_loads=4)
+    params = report.to_params()
+    assert InjectionReport.from_params(params) == report
+    assert report.facts_from_blobs == 2  # the first injected segment is the prompt's head
+    assert InjectionReport.from_params({}) is None and InjectionReport.from_params(None) is None
+    # A report from an older connector without the totals reads as zeros, not a KeyError.
+    del params["kvmem"]["tier_totals"]
+    assert InjectionReport.from_params(params).ram_tier_hits == 0
+
+
+def test_connector_settings_state_their_defaults_once():
+    from kvmem.connector.plan import ConnectorSettings
+
+    settings = ConnectorSettings.from_params({"kv_dir": "/tmp/kv", "fingerprint": "abc"})
+    assert settings == ConnectorSettings("/tmp/kv", "abc")
+    assert ConnectorSettings.from_params(settings.to_params()) == settings
+    # null means "the default", as JSON on a `vllm serve` command line writes it
+    nulls = ConnectorSettings.from_params({"kv_dir": "/tmp/kv", "fingerprint": "abc", "codec": None,
+                                           "hot_cache_mib": None, "shared_url": None, "reader_adapter": None})
+    assert nulls == settings
+    for broken in ({"fingerprint": "abc"}, {"kv_dir": "/tmp/kv"}, {"kv_dir": "/tmp/kv", "fingerprint": "abc",
+                                                                     "hot_cache_mib": "lots"}):
+        with pytest.raises(ValueError, match="kv_connector_extra_config"):
+            ConnectorSettings.from_params(broken)

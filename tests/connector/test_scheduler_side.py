@@ -46,8 +46,8 @@ def test_claims_head_and_facts_and_sends_blocks_and_ranges(tmp_path):
     # Only the blocks the spans touch, and one range per fact: no per-token lists on the wire.
     assert job.req_id == "r1" and job.block_ids == (7, 3)
     assert job.spans == (Span("head", 0, 4), Span("a", 4, 6), Span("b", 10, 6))
-    delay, params = side.request_finished(req)
-    assert not delay and params["kvmem"]["claimed_tokens"] == 16
+    delay, report = side.request_finished(req)
+    assert not delay and report.claimed_tokens == 16 and report.facts_from_blobs == 2
 
 
 def test_worker_expands_ranges_into_the_slots_vllm_uses(tmp_path):
@@ -76,8 +76,8 @@ def test_claim_stops_before_a_missing_or_mismatched_blob(tmp_path):
     side = SchedulerSide(store_with(tmp_path, {"head": PROMPT[0:4], "a": [1, 2, 3, 4, 5, 6]}), 8)
     req = request(PROMPT, SEGS)
     assert side.get_num_new_matched_tokens(req, 0) == (4, False)  # "a" holds other tokens
-    info = side.request_finished(req)[1]["kvmem"]
-    assert info["fallbacks"] == {"a": "mismatch", "b": "missing"} and info["facts_as_text"] == 2
+    info = side.request_finished(req)[1]
+    assert info.fallbacks == {"a": "mismatch", "b": "missing"} and info.facts_as_text == 2
 
 
 def test_one_claim_reports_every_bad_blob_of_the_prompt(tmp_path):
@@ -94,9 +94,9 @@ def test_one_claim_reports_every_bad_blob_of_the_prompt(tmp_path):
     side = SchedulerSide(store, 8)
     req = request(PROMPT, segs)
     assert side.get_num_new_matched_tokens(req, 0) == (4, False)
-    info = side.request_finished(req)[1]["kvmem"]
-    assert info["fallbacks"] == {"a": "corrupt", "b": "corrupt", "c": "missing", "d": "corrupt"}
-    assert info["facts_as_text"] == 4
+    info = side.request_finished(req)[1]
+    assert info.fallbacks == {"a": "corrupt", "b": "corrupt", "c": "missing", "d": "corrupt"}
+    assert info.facts_as_text == 4
 
 
 def test_never_claims_the_last_prompt_token(tmp_path):
@@ -152,12 +152,12 @@ def test_checking_a_claim_loads_its_blobs_into_the_ram_tier_the_worker_reads(tmp
         blob, in_ram = shared.fetch(fact_id)
         assert in_ram and blob.token_ids == tuple(PROMPT[{"head": 0, "a": 4, "b": 10}[fact_id]:][:len(blob.token_ids)])
     assert shared.ram_hits == 3
-    _, params = side.request_finished(req)
-    assert (params["kvmem"]["ram_hits"], params["kvmem"]["disk_loads"]) == (0, 3)
+    _, report = side.request_finished(req)
+    assert (report.ram_hits, report.disk_loads) == (0, 3)
     again = request(PROMPT, SEGS, rid="r2")
     side.get_num_new_matched_tokens(again, 0)
-    _, params = side.request_finished(again)
-    assert (params["kvmem"]["ram_hits"], params["kvmem"]["disk_loads"]) == (3, 0)
+    _, report = side.request_finished(again)
+    assert (report.ram_hits, report.disk_loads) == (3, 0)
 
 
 @pytest.mark.parametrize("ram, worker", [(0, True), (512 << 20, False)])

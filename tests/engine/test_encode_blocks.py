@@ -8,7 +8,7 @@ from tests.helpers import tokens
 
 def test_encode_blocks_are_given_back_once_copied(mem):
     from kvmem.encoding import salt
-    from kvmem.engine.llm import EngineRequest
+    from kvmem.engine.protocol import EngineRequest
     from kvmem.connector.plan import INJECT, Plan
 
     facts = ["Ines grows tomatoes on her balcony.", "Ines has a brother called Rui.", "Ines plays the cello."]
@@ -18,6 +18,6 @@ def test_encode_blocks_are_given_back_once_copied(mem):
     prompt = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in ids], [{"role": "user", "content": "Hi?"}])
     (r,) = mem.engine.run([EngineRequest(prompt.token_ids, salt("kv", "held"), max_tokens=2,
                                          plan=Plan(INJECT, prompt.segments))])
-    assert r.connector["injected_facts"] == len(prompt.segments) and r.connector["facts_as_text"] == 0
+    assert r.injection.injected_segments == len(prompt.segments) and r.injection.facts_as_text == 0
     # Every encode of this session (these three and all before) was reported copied and freed.
-    assert r.connector["held_for_copies"] == 0
+    assert r.injection.held_for_copies == 0

@@ -108,7 +108,7 @@ def _model_rope(mem):
 def test_k10_facts_encoded_after_their_true_prefix_reproduce_text_prefill(mem):
     """With each fact encoded after exactly the tokens that precede it in the prompt, injecting
     ten segments must equal text prefill: this pins slot mapping and multi-segment assembly."""
-    from kvmem.engine.llm import EngineRequest
+    from kvmem.engine.protocol import EngineRequest
     from kvmem.connector.plan import ENCODE, Plan
     from kvmem.encoding import salt
 
@@ -158,7 +158,7 @@ def test_injection_after_a_partial_prefix_cache_hit_stays_exact(mem):
 def encode_after_true_prefix(mem, user, fact_ids, messages):
     """Encode each fact after exactly the tokens that precede it in this prompt."""
     from kvmem.encoding import salt
-    from kvmem.engine.llm import EngineRequest
+    from kvmem.engine.protocol import EngineRequest
     from kvmem.connector.plan import ENCODE, Plan
 
     prompt = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in fact_ids], messages)

@@ -22,7 +22,7 @@ import pytest
 
 from kvmem.config import Config, KVConfig, default_home
 from kvmem.engine import replica
-from kvmem.engine.llm import EngineRequest
+from kvmem.engine.protocol import EngineRequest
 from kvmem.errors import EngineError
 from kvmem.model import resolve_model
 from kvmem.reader import adapters, lora
@@ -148,7 +148,7 @@ def test_a_dead_replica_is_passed_over_and_its_users_served_by_the_next(served, 
         assert engine.route(users[0])[0] == config.engine.url  # found down at start: passed over
         prompt = tuple(remote_mem.prompts.context_tokens("Hello there"))
         monkeypatch.setattr(health, "DOWN_S", 0.0)  # as if it had been down long ago: tried first again
-        engine.health.mark_up(dead)
+        engine.replicas.mark_up(dead)
         results = engine.run([EngineRequest(prompt, f"salt-{u}", 2, route=u) for u in users])
         assert all(len(r.token_ids) == 2 for r in results) and engine.failovers == len(users)
     finally:

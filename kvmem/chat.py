@@ -1,0 +1,212 @@
+"""A chat turn: the user's facts -> a prompt and a Plan -> the engine -> a ChatResult.
+
+Facts go into the prompt in the order they were stored (conversation order), not by score: a
+turn was encoded after the turns that preceded it, so keeping that order keeps the prompt
+closest to what each fact's KV was computed with, and helps questions about time. In KV mode,
+facts without a blob (pending, failed, evicted) go after those with one: the engine can only be
+handed a prefix of the prompt, so one such fact early on would turn every later fact into text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from kvmem.config import Config
+from kvmem.connector.plan import INJECT, Plan
+from kvmem.encoding import salt
+from kvmem.engine.prompt import PromptBuilder
+from kvmem.engine.protocol import Engine, EngineRequest, EngineResult
+from kvmem.errors import EngineError, InvalidInputError
+from kvmem.facts.inputs import check_context, int_at_least
+from kvmem.facts.messages import check_messages
+from kvmem.facts.scope import Scope
+from kvmem.facts.store import FactRecord
+from kvmem.facts.text import check_fact_text, check_unicode
+from kvmem.keeper import BlobKeeper
+from kvmem.results import ChatResult
+from kvmem.retrieval import Retrieval
+
+MODES = ("kv", "text", "off")
+TOO_LONG = InvalidInputError.CONTEXT_LENGTH_EXCEEDED
+
+
+@dataclass(frozen=True)
+class ChatArgs:
+    """One chat's arguments, as KVMem.chat takes them."""
+
+    user_id: str
+    agent_id: str | None = None
+    run_id: str | None = None
+    k: int = 10
+    filters: dict | None = None
+    fact_ids: list[str] | None = None
+    mode: str = "kv"
+    max_tokens: int = 64
+    logprobs: int | None = None
+    text_facts: int | None = None  # the last facts KV mode prefills as text (None: kv.text_facts)
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidInputError(f"mode must be one of {MODES}, got {self.mode!r}", param="mode")
+        if not int_at_least(self.max_tokens, 1):
+            raise InvalidInputError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}", param="max_tokens")
+        if self.logprobs is not None and not int_at_least(self.logprobs, 0):
+            raise InvalidInputError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}", param="logprobs")
+        if self.text_facts is not None and not int_at_least(self.text_facts, 0):
+            raise InvalidInputError(f"text_facts must be None or an int >= 0, got {self.text_facts!r}",
+                                    param="text_facts")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    facts: list[FactRecord]
+    request: EngineRequest
+    retrieval_s: float
+
+
+class Chats:
+    def __init__(self, config: Config, prompts: PromptBuilder, facts, retrieval: Retrieval, keeper: BlobKeeper,
+                 engine: Engine | None) -> None:
+        self.config, self.prompts, self.facts = config, prompts, facts
+        self.retrieval, self.keeper, self.engine = retrieval, keeper, engine
+
+    def need_engine(self) -> Engine:
+        if self.engine is None:
+            raise EngineError("this KVMem was opened without an engine (start_engine=False)")
+        return self.engine
+
+    def check_fact(self, text: str, context: str) -> str:
+        """A fact's text as stored, refused when it is over memory.max_fact_tokens or does not fit
+        the model's context after its context."""
+        check_context(context)
+        check_fact_text(text)
+        limit = self.config.memory.max_fact_tokens
+        if len(text) > limit * self.prompts.max_token_chars:  # refused before spending time tokenizing it
+            raise InvalidInputError(f"fact is {len(text)} characters long; the limit is {limit} tokens "
+                                    "(memory.max_fact_tokens)", param="facts", code=InvalidInputError.FACT_TOO_LARGE)
+        tokens = self.prompts.fact_tokens(text)
+        if len(tokens) > limit:
+            raise InvalidInputError(f"fact is {len(tokens)} tokens long; the limit is {limit} (memory.max_fact_tokens)",
+                                    param="facts", code=InvalidInputError.FACT_TOO_LARGE)
+        needed = len(self.prompts.head_ids) + len(self.prompts.context_tokens(context)) + len(tokens)
+        if needed >= self.config.engine.max_model_len:
+            raise InvalidInputError("fact and its context do not fit the model's context length",
+                                    param="facts", code=TOO_LONG)
+        return text.strip()
+
+    # -- a turn -----------------------------------------------------------------------------------
+
+    def chat(self, messages, args: ChatArgs, *, cancel: threading.Event | None = None,
+             reader: bool = True) -> ChatResult:
+        p = self.prepare(messages, args)
+        request = replace(p.request, reader=p.request.reader and reader)
+        (result,) = self.need_engine().run([request], cancel=cancel)
+        return self.finish(result, p, args)
+
+    def stream(self, messages, args: ChatArgs, *, cancel: threading.Event | None = None) -> Iterator[str | ChatResult]:
+        p = self.prepare(messages, args)
+        for item in self.need_engine().stream(p.request, cancel=cancel):
+            yield item if isinstance(item, str) else self.finish(item, p, args)
+
+    def score(self, messages, answer: str, args: ChatArgs, *, reader: bool = True) -> list[float]:
+        if not isinstance(answer, str) or not answer.strip():
+            raise InvalidInputError("answer must be a non-empty string", param="answer")
+        check_unicode("answer", answer)
+        p = self.prepare(messages, args)
+        answer_ids = tuple(self.prompts.context_tokens(answer.strip()))
+        # A salt of its own: a cached block must never cover the answer, whose positions would then
+        # carry no logprobs. Injection does not depend on the salt, so kv mode still injects.
+        scored = replace(p.request, token_ids=p.request.token_ids + answer_ids, score_last=len(answer_ids),
+                         salt=f"{p.request.salt}:score:{uuid.uuid4().hex}", reader=p.request.reader and reader)
+        (result,) = self.need_engine().run([scored])
+        self.finish(result, replace(p, retrieval_s=0.0), args)
+        return list(result.scored)
+
+    def prepare(self, messages, args: ChatArgs) -> Prepared:
+        args.check()
+        messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+        check_messages(messages)
+        self._check_fits(messages)
+        t0 = time.perf_counter()
+        facts = self._facts(messages, args)
+        retrieval_s = time.perf_counter() - t0
+        self.need_engine()
+        if args.mode == "kv":
+            self.keeper.need_encoder().ensure_head()
+        tokens = self.prompts.fact_tokens_many([f.text for f in facts])
+        prompt = self.prompts.chat([(f.id, t) for f, t in zip(facts, tokens)], messages)
+        if len(prompt.token_ids) + args.max_tokens > self.config.engine.max_model_len:
+            raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {args.max_tokens} new tokens "
+                                    f"exceeds the model's {self.config.engine.max_model_len}", param="messages",
+                                    code=TOO_LONG)
+        text_facts = self.config.kv.text_facts if args.text_facts is None else args.text_facts
+        # The facts start after the head: where the reader's KV map begins (sent only when reading with it).
+        plan = Plan(INJECT, injected(prompt.segments, text_facts),
+                    map_from=len(self.prompts.head_ids)) if args.mode == "kv" else None
+        # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
+        request = EngineRequest(prompt.token_ids, salt(args.mode, args.user_id), args.max_tokens, plan,
+                                args.logprobs, reader=args.mode == "kv", route=args.user_id)
+        return Prepared(facts, request, retrieval_s)
+
+    def _check_fits(self, messages: list[dict]) -> None:
+        """Refuse a conversation too long to fit before tokenizing it (megabytes take seconds)."""
+        chars = sum(len(m["content"]) for m in messages)
+        bound = self.config.engine.max_model_len * self.prompts.max_token_chars  # no token is longer
+        if chars > bound:
+            raise InvalidInputError(f"messages of {chars} characters (at least {-(-chars // self.prompts.max_token_chars)}"
+                                    f" tokens) exceed the model's {self.config.engine.max_model_len}",
+                                    param="messages", code=TOO_LONG)
+
+    def _facts(self, messages: list[dict], a: ChatArgs) -> list[FactRecord]:
+        Scope(a.user_id, a.agent_id, a.run_id)
+        if a.mode == "off":
+            return []
+        if a.fact_ids is not None:
+            return self._chosen(a.fact_ids, a.user_id)
+        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        if not question.strip():
+            return []
+        hits = self.retrieval.search(question, user_id=a.user_id, agent_id=a.agent_id, run_id=a.run_id, k=a.k,
+                                     filters=a.filters)
+        facts = [self.facts.get(h.id) for h in hits]
+        facts.sort(key=lambda f: (f.created_at, f.position or 0, f.id))
+        return kv_first(facts) if a.mode == "kv" else facts
+
+    def _chosen(self, fact_ids, user_id: str) -> list[FactRecord]:
+        """Exactly these facts, in this order (retrieval skipped); all must be the user's."""
+        if not isinstance(fact_ids, (list, tuple)):
+            raise InvalidInputError(f"fact_ids must be a list of fact ids, got {type(fact_ids).__name__}",
+                                    param="fact_ids")
+        facts = [self.facts.get(i) for i in fact_ids]
+        foreign = [f.id for f in facts if f.scope.user_id != user_id]
+        if foreign:
+            raise InvalidInputError(f"facts {foreign} do not belong to user {user_id!r}", param="fact_ids")
+        return facts
+
+    def finish(self, r: EngineResult, p: Prepared, args: ChatArgs) -> ChatResult:
+        report = r.injection
+        self.keeper.after_chat(args.mode, p.facts, report)
+        claimed = report.claimed_tokens if report else 0
+        return ChatResult(
+            answer=r.text.strip(), mode=args.mode, fact_ids=tuple(f.id for f in p.facts), ttft_s=r.ttft_s,
+            latency_s=r.latency_s, prompt_tokens=r.prompt_tokens, injected_tokens=claimed,
+            cached_tokens=r.cached_tokens - claimed, fallbacks=report.facts_as_text if report else 0,
+            fallback_reasons=dict(report.fallbacks) if report else {}, retrieval_s=p.retrieval_s,
+            token_ids=r.token_ids, first_logprobs=r.first_logprobs, reader_adapter=r.adapter,
+        )
+
+
+def injected(segments: tuple, text_facts: int) -> tuple:
+    """The prompt's segments ([head, fact_1..fact_k]) less the last `text_facts` facts, which the
+    engine then prefills as text after the injected prefix (config.KVConfig.text_facts)."""
+    return segments[: max(1, len(segments) - text_facts)]
+
+
+def kv_first(facts: list[FactRecord]) -> list[FactRecord]:
+    """Facts with a blob first, each part in the order given: the engine can only be handed a
+    prefix of the prompt, so a fact served as text ends injection for every fact after it."""
+    return sorted(facts, key=lambda f: f.kv_status != "encoded")

@@ -1,0 +1,20 @@
+"""The engine a configuration asks for: replicas over HTTP when `engine.url` is set, else vLLM
+in this process. Imported lazily: neither choice imports vLLM until it is made."""
+
+from __future__ import annotations
+
+from kvmem.config import Config
+from kvmem.engine.protocol import Engine
+from kvmem.kv.store import KVStore
+from kvmem.model import ModelInfo
+
+
+def start_engine(config: Config, model: ModelInfo, blobs: KVStore) -> Engine:
+    """`blobs`: the KV store as this process sees it (a RemoteEngine waits on its stamps)."""
+    if config.engine.url:  # a replica serves (kvmem replica); no vLLM in this process
+        from kvmem.engine.remote import RemoteEngine
+
+        return RemoteEngine(config.engine.url, model, blobs, use_reader=config.kv.reader_adapter != "off")
+    from kvmem.engine.llm import LocalEngine
+
+    return LocalEngine(model, config)

@@ -1,0 +1,80 @@
+"""The write path: facts stored, indexed and encoded in step.
+
+Writes store and index first, under the service's write lock, then encode (outside it: encoding
+runs the engine). A fact without usable KV is served by text prefill and re-encoded in the
+background. Forgetting a fact, for whatever reason, goes through one path (`_forget`): out of
+both indexes (Retrieval.unindex, which also frees its place in the disk budget) and its blob gone.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvmem.config import Config
+from kvmem.facts.inputs import CheckText, fact_items
+from kvmem.facts.scope import Scope
+from kvmem.facts.store import FactRecord
+from kvmem.keeper import BlobKeeper, check_encode_mode
+from kvmem.results import AddResult
+from kvmem.retrieval import Retrieval
+
+
+class Writes:
+    def __init__(self, config: Config, facts, retrieval: Retrieval, keeper: BlobKeeper, check_text: CheckText,
+                 lock: threading.RLock) -> None:
+        """`check_text(text, context)`: a fact's text as stored, or InvalidInputError when it does
+        not fit the model (chat.Chats.check_fact)."""
+        self.config, self.facts, self.retrieval, self.keeper = config, facts, retrieval, keeper
+        self._check_text = check_text
+        self._lock = lock
+
+    def add(self, messages, scope: Scope, *, facts, metadata, context, window, encode, timestamp,
+            origin) -> AddResult:
+        check_encode_mode(encode)
+        items = fact_items(messages, facts, context=context, metadata=metadata, timestamp=timestamp, origin=origin,
+                           window=self.config.memory.window if window is None else window,
+                           template=self.config.prompt.fact_template, check_text=self._check_text)
+        vectors = self.retrieval.vectors([i["text"] for i in items], [i["context"] for i in items],
+                                         [i.get("origin", "") for i in items])  # [n, dim]
+        with self._lock:
+            pairs = self.facts.add_many([dict(i, scope=scope, embedding=v) for i, v in zip(items, vectors)])
+            new = [r for r, created in pairs if created]
+            for r in new:
+                self.retrieval.index(r, r.embedding)
+        report = self.keeper.encode(new, encode)
+        return AddResult(tuple(r.id for r, _ in pairs), len(new), len(pairs) - len(new), report)
+
+    def update(self, fact_id: str, text: str, metadata: dict | None) -> FactRecord:
+        old = self.facts.get(fact_id)
+        self._check_text(text, old.context)
+        vector = self.retrieval.vectors([text.strip()], [old.context], [old.origin])[0]
+        with self._lock:
+            record = self.facts.update(fact_id, text.strip(), metadata=metadata, embedding=vector)
+            if record.text != old.text:
+                self.keeper.drop(fact_id)  # the old KV must never serve the new text
+            self.retrieval.index(record, vector)
+        if record.text != old.text:
+            self.keeper.encode([record], "sync")
+        return self.facts.get(fact_id)
+
+    def delete(self, fact_id: str) -> None:
+        with self._lock:
+            record = self.facts.delete(fact_id)
+            self._forget(record.scope.user_id, [fact_id])
+
+    def delete_all(self, scope: Scope) -> int:
+        with self._lock:
+            ids = self.facts.delete_scope(scope)
+            self._forget(scope.user_id, ids)
+        return len(ids)
+
+    def _forget(self, user_id: str, fact_ids: list[str]) -> None:
+        for fact_id in fact_ids:
+            self.retrieval.unindex(user_id, fact_id)
+            self.keeper.drop(fact_id)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.keeper.reset()
+            self.facts.reset()
+            self.retrieval.rebuild()  # empty now
