@@ -10,22 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from kvmem.engine.llm import EngineRequest
+from kvmem.engine.protocol import EngineRequest
 from kvmem.connector.plan import ENCODE, Plan
 from kvmem.errors import BlobError, UnknownFactError
+from kvmem.results import EncodeReport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EncodeReport:
-    encoded: int
-    failed: tuple[str, ...]
-    seconds: float
 
 
 def salt(purpose: str, user_id: str) -> str:

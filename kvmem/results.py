@@ -1,10 +1,19 @@
-"""What the memory API returns."""
+"""What the memory API returns.
+
+Plain records that import nothing from kvmem, so any layer can return them without importing
+the layers above it (EncodeReport lives here, not beside the Encoder that makes it, for that)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvmem.encoding import EncodeReport
+
+@dataclass(frozen=True)
+class EncodeReport:
+    encoded: int
+    failed: tuple[str, ...]
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -41,3 +50,14 @@ class ChatResult:
     token_ids: tuple[int, ...] = ()
     first_logprobs: dict[int, float] = field(default_factory=dict)
     reader_adapter: bool = False  # the engine read this chat with the reader adapter (KV mode only)
+
+
+@dataclass(frozen=True)
+class MemoryStatus:
+    """KVMem.status(): what /health, /metrics and the CLI show, read in one place."""
+
+    facts: int  # stored, all users
+    encode_queue: int  # facts waiting for their KV
+    kv_bytes: int  # KV blobs on disk
+    tiers: dict  # KVMem.kv_tiers()
+    engine: Any  # engine.protocol.EngineStatus; None when opened without an engine

@@ -17,58 +17,21 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
+# How each index is measured lives in ann_measure; its names stay importable from here, where
+# `kvmem bench ann`, the tests and scripts/ann_params.py have always found them.
+from kvmem.bench.ann_measure import (  # noqa: F401 - re-exported
+    PASSES, TARGET_RECALL, AnnConfig, AnnResult, Timed, delete_ids, exact_top, interleave, param_at,
+    qps_threads, recall_at, sweep, temp_size, timed_build, truth_after_delete,
+)
 from kvmem.errors import InvalidInputError
 
 INSTALL_HINT = "pip install -e '.[bench]'   (faiss-cpu==1.15.1, hnswlib==0.8.0)"
-TARGET_RECALL = 0.95
-
-
-@dataclass(frozen=True)
-class AnnConfig:
-    n: int = 100_000
-    dim: int = 384
-    queries: int = 1_000
-    centres: int = 1_000
-    extra: int = 1_000  # inserted one at a time after the build
-    batch_tail: float = 0.1  # the build's last 10% goes in as one timed batch
-    delete_share: float = 0.1
-    threads: int = 2  # build threads; search is always 1 thread, one query per call
-    seed: int = 0
-    indexes: tuple[str, ...] = ("kvmem-graph", "faiss-hnsw", "faiss-ivf-rabitq", "hnswlib", "exact")
-    data: str = "clustered"  # or "locomo": MiniLM embeddings of the turns and questions at `locomo`
-    locomo: str = ""  # LoCoMo JSON path (data="locomo"); n, extra and queries then come from it
-    name: str = "ann"  # results go to <out>/<name>.json and <name>.png
-    exact_queries: int = 100  # the exact scan is timed on this many queries when n > 200k
-    rounds: int = 5  # interleaved timing rounds at each index's recall-0.95 parameter
-    filtered: bool = True  # also time GraphIndex under 1%, 10% and 50% filters
-
-
-@dataclass
-class AnnResult:
-    name: str
-    params: str
-    build_s: float = float("nan")
-    bytes_per_vector: float = float("nan")
-    sweep: list[dict] = field(default_factory=list)  # {param, recall, qps1}
-    qps1: float = float("nan")  # 1 thread, one query per call, at the parameter of qps_at(0.95): the
-    qps2: float = float("nan")  # median over interleaved rounds (see `interleave`); qps2: 2 threads
-    insert_batch_vps: float = float("nan")
-    insert_one_vps: float = float("nan")
-    recall_after_delete: float | None = None
-    delete_note: str = ""
-
-    def qps_at(self, recall: float) -> tuple[float, object] | None:
-        """QPS (1 thread) at the smallest swept parameter reaching `recall`."""
-        ok = [s for s in self.sweep if s["recall"] >= recall]
-        return (ok[0]["qps1"], ok[0]["param"]) if ok else None
 
 
 def clustered(cfg: AnnConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,87 +53,6 @@ def clustered(cfg: AnnConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x[: cfg.n], x[cfg.n: cfg.n + cfg.extra], x[cfg.n + cfg.extra:]
 
 
-def exact_top(base: np.ndarray, queries: np.ndarray, k: int, alive: np.ndarray | None = None) -> np.ndarray:
-    """Exact top-k ids [q, k] by inner product, in chunks to bound memory."""
-    out = np.empty((len(queries), k), np.int64)
-    for lo in range(0, len(queries), 256):
-        s = queries[lo: lo + 256] @ base.T  # [b, n]
-        if alive is not None:
-            s[:, ~alive] = -np.inf
-        part = np.argpartition(-s, k, axis=1)[:, :k]  # [b, k]
-        order = np.argsort(-np.take_along_axis(s, part, 1), axis=1)
-        out[lo: lo + 256] = np.take_along_axis(part, order, 1)
-    return out
-
-
-def recall_at(found: np.ndarray, truth: np.ndarray) -> float:
-    """Mean |found ∩ truth| / k over queries; found [q, k] may hold -1 pads."""
-    return float(np.mean([len(set(f.tolist()) & set(t.tolist())) / truth.shape[1] for f, t in zip(found, truth)]))
-
-
-PASSES = 3  # QPS is the best of this many passes: a shared machine only ever slows a pass down
-
-
-def sweep(search_one, set_param, params, queries: np.ndarray, truth: np.ndarray) -> list[dict]:
-    """Recall and single-thread QPS per parameter; stops once recall passes 0.995."""
-    rows = []
-    for p in params:
-        set_param(p)
-        search_one(queries[0])  # warm
-        best = float("inf")
-        for _ in range(PASSES):
-            t = time.perf_counter()
-            found = np.stack([search_one(q) for q in queries])  # [q, k]
-            best = min(best, time.perf_counter() - t)
-        rows.append({"param": p, "recall": recall_at(found, truth), "qps1": len(queries) / best})
-        if rows[-1]["recall"] >= 0.995:
-            break
-    return rows
-
-
-def qps_threads(search_one, queries: np.ndarray, threads: int = 2, passes: int = PASSES) -> float:
-    """Queries/s with `threads` Python threads, each searching its share one query per call.
-
-    Every index here releases the GIL while it searches, so the threads run side by side.
-    """
-    parts = np.array_split(queries, threads)
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(passes):
-            t = time.perf_counter()
-            list(pool.map(lambda part: [search_one(q) for q in part], parts))
-            best = min(best, time.perf_counter() - t)
-    return len(queries) / best
-
-
-@dataclass
-class Timed:
-    """A built index, paused by its runner between the sweep and the writes, for `interleave`."""
-
-    res: AnnResult
-    search_one: object
-    set_param: object
-    queries: np.ndarray
-
-
-def interleave(timed: list[Timed], rounds: int, log=print) -> None:
-    """QPS1 and QPS2 of every index at its recall-0.95 parameter, timed in turn, round after round.
-
-    On a shared machine a slow minute hits whichever index runs in it; taking turns spreads such
-    minutes over all of them, and the median over rounds drops the worst ones.
-    """
-    one = {id(t): [] for t in timed}
-    two = {id(t): [] for t in timed}
-    for r in range(rounds):
-        for t in timed:
-            t.set_param(_param_at(t.res))
-            one[id(t)].append(qps_threads(t.search_one, t.queries, threads=1, passes=1))
-            two[id(t)].append(qps_threads(t.search_one, t.queries, threads=2, passes=1))
-        log(f"interleaved round {r + 1}/{rounds}: " + ", ".join(f"{t.res.name} {one[id(t)][-1]:.0f}" for t in timed))
-    for t in timed:
-        t.res.qps1, t.res.qps2 = float(np.median(one[id(t)])), float(np.median(two[id(t)]))
-
-
 def load_data(cfg: AnnConfig, log=print) -> tuple[AnnConfig, np.ndarray, np.ndarray, np.ndarray]:
     """(cfg with the data's sizes, base, extra, queries) for cfg.data."""
     if cfg.data == "clustered":
@@ -178,7 +60,7 @@ def load_data(cfg: AnnConfig, log=print) -> tuple[AnnConfig, np.ndarray, np.ndar
     elif cfg.data == "locomo":
         base, extra, queries = locomo_embeddings(cfg, log)
     else:
-        raise InvalidInputError(f"unknown data set {cfg.data!r}: clustered or locomo")
+        raise InvalidInputError(f"unknown data set {cfg.data!r}: clustered or locomo", param="data")
     return replace(cfg, n=len(base), extra=len(extra), queries=len(queries), dim=base.shape[1]), base, extra, queries
 
 
@@ -324,14 +206,6 @@ def _plot(rows: list[AnnResult], path: Path) -> str:
     return ""
 
 
-def temp_size(save) -> int:
-    """Bytes written by save(path) to a temporary file."""
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "index")
-        save(p)
-        return os.path.getsize(p)
-
-
 # -- the indexes ------------------------------------------------------------------------------
 # Each runner is a generator: build (head + timed tail batch) and sweep, then yield a `Timed`
 # (run() times every index in turn there), then one-by-one inserts of `extra`, then delete 10%
@@ -342,22 +216,6 @@ def _pad(ids: np.ndarray, k: int = 10) -> np.ndarray:
     out = np.full(k, -1, np.int64)
     out[: len(ids)] = ids[:k]
     return out
-
-
-def _delete_ids(cfg: AnnConfig) -> np.ndarray:
-    rng = np.random.default_rng(cfg.seed + 1)
-    return np.sort(rng.choice(cfg.n, int(cfg.n * cfg.delete_share), replace=False))
-
-
-def _after_delete_truth(cfg, base, extra, queries, gone) -> np.ndarray:
-    alive = np.ones(cfg.n + cfg.extra, bool)
-    alive[gone] = False
-    return exact_top(np.vstack([base, extra]), queries, 10, alive)
-
-
-def _param_at(res: AnnResult):
-    at = res.qps_at(TARGET_RECALL)
-    return at[1] if at else res.sweep[-1]["param"]
 
 
 def run_graph(cfg, base, extra, queries, truth, log) -> AnnResult:
@@ -387,13 +245,13 @@ def run_graph(cfg, base, extra, queries, truth, log) -> AnnResult:
     for v in extra:
         g.add(v[None, :])
     res.insert_one_vps = len(extra) / (time.perf_counter() - t)
-    gone = _delete_ids(cfg)
+    gone = delete_ids(cfg)
     t = time.perf_counter()
     g.delete(gone)
     g.consolidate()
     res.delete_note = f"(delete + consolidate {time.perf_counter() - t:.1f}s)"
-    after = _after_delete_truth(cfg, base, extra, queries, gone)
-    p = _param_at(res)
+    after = truth_after_delete(cfg, base, extra, queries, gone)
+    p = param_at(res)
     found = np.stack([_pad(g.search(q, 10, p)[0]) for q in queries])
     res.recall_after_delete = recall_at(found, after)
     return res
@@ -406,7 +264,7 @@ def run_faiss_hnsw(cfg, base, extra, queries, truth, log) -> AnnResult:
     faiss.omp_set_num_threads(cfg.threads)
     ix = faiss.IndexHNSWFlat(cfg.dim, 32, faiss.METRIC_INNER_PRODUCT)
     ix.hnsw.efConstruction = 128
-    _timed_build(res, cfg, lambda x: ix.add(x), base)
+    timed_build(res, cfg, lambda x: ix.add(x), base)
     res.bytes_per_vector = len(faiss.serialize_index(ix)) / cfg.n
     faiss.omp_set_num_threads(1)
     search, set_ef = lambda q: ix.search(q[None, :], 10)[1][0], lambda p: setattr(ix.hnsw, "efSearch", p)  # noqa: E731
@@ -433,7 +291,7 @@ def run_faiss_ivf_rabitq(cfg, base, extra, queries, truth, log) -> AnnResult:
     t = time.perf_counter()
     ix.train(base)
     train_s = time.perf_counter() - t
-    _timed_build(res, cfg, lambda x: ix.add(x), base)
+    timed_build(res, cfg, lambda x: ix.add(x), base)
     res.build_s += train_s
     res.bytes_per_vector = len(faiss.serialize_index(ix)) / cfg.n
     faiss.omp_set_num_threads(1)
@@ -445,7 +303,7 @@ def run_faiss_ivf_rabitq(cfg, base, extra, queries, truth, log) -> AnnResult:
     for v in extra:
         ix.add(v[None, :])
     res.insert_one_vps = len(extra) / (time.perf_counter() - t)
-    gone = _delete_ids(cfg)
+    gone = delete_ids(cfg)
     try:
         t = time.perf_counter()
         ix.remove_ids(gone.astype(np.int64))
@@ -455,9 +313,9 @@ def run_faiss_ivf_rabitq(cfg, base, extra, queries, truth, log) -> AnnResult:
         return res
     # remove_ids renumbers the remaining vectors: map them back to original ids
     keep = np.setdiff1d(np.arange(cfg.n + cfg.extra), gone)
-    after = _after_delete_truth(cfg, base, extra, queries, gone)
+    after = truth_after_delete(cfg, base, extra, queries, gone)
     faiss.omp_set_num_threads(1)
-    ivf.nprobe = _param_at(res)
+    ivf.nprobe = param_at(res)
     found = np.stack([np.where((r := ix.search(q[None, :], 10)[1][0]) >= 0, keep[r], -1) for q in queries])
     res.recall_after_delete = recall_at(found, after)
     return res
@@ -476,7 +334,7 @@ def run_hnswlib(cfg, base, extra, queries, truth, log) -> AnnResult:
         ix.add_items(x, np.arange(offset[0], offset[0] + len(x)))
         offset[0] += len(x)
 
-    _timed_build(res, cfg, add, base)
+    timed_build(res, cfg, add, base)
     res.bytes_per_vector = temp_size(ix.save_index) / cfg.n
     ix.set_num_threads(1)
     search = lambda q: ix.knn_query(q[None, :], 10)[0][0]  # noqa: E731
@@ -486,13 +344,13 @@ def run_hnswlib(cfg, base, extra, queries, truth, log) -> AnnResult:
     for v in extra:
         add(v[None, :])
     res.insert_one_vps = len(extra) / (time.perf_counter() - t)
-    gone = _delete_ids(cfg)
+    gone = delete_ids(cfg)
     t = time.perf_counter()
     for i in gone.tolist():
         ix.mark_deleted(i)
     res.delete_note = f"(mark_deleted {time.perf_counter() - t:.1f}s)"
-    ix.set_ef(_param_at(res))
-    after = _after_delete_truth(cfg, base, extra, queries, gone)
+    ix.set_ef(param_at(res))
+    after = truth_after_delete(cfg, base, extra, queries, gone)
     found = np.stack([ix.knn_query(q[None, :], 10)[0][0] for q in queries])
     res.recall_after_delete = recall_at(found, after)
     return res
@@ -522,16 +380,6 @@ def run_exact(cfg, base, extra, queries, truth, log) -> AnnResult:
     res.sweep = sweep(search, lambda p: None, ("-",), queries, truth)
     yield Timed(res, search, lambda p: None, queries)
     return res
-
-
-def _timed_build(res: AnnResult, cfg: AnnConfig, add, base: np.ndarray) -> None:
-    head = int(cfg.n * (1 - cfg.batch_tail))
-    t0 = time.perf_counter()
-    add(base[:head])
-    t1 = time.perf_counter()
-    add(base[head:])
-    t2 = time.perf_counter()
-    res.build_s, res.insert_batch_vps = t2 - t0, (cfg.n - head) / (t2 - t1)
 
 
 RUNNERS = {

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from kvmem.bench import locomo
 from kvmem.bench.report import percentile, plot_lines, write_json
-from kvmem.service import kv_first
+from kvmem.chat import kv_first
 
 USER = "bench-cache-{:03d}"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvmem.argtypes import non_negative_int
 from kvmem.bench import locomo
-from kvmem.cli import _non_negative_int
 
 RESULTS = Path("docs/results")
 
@@ -100,7 +100,7 @@ def add_parsers(sub) -> None:
     lc.add_argument("--window", type=int, default=None,
                     help="CWE window: turns a fact is encoded after (turns: the turns before it, default 2; "
                          "observations: the turns ending at its evidence, default 0; both: the turns')")
-    lc.add_argument("--observation-window", type=_non_negative_int, default=None,
+    lc.add_argument("--observation-window", type=non_negative_int, default=None,
                     help="with --memory both: turns ending at its evidence that an observation is stored, "
                          "searched and encoded after (default: 0; 1 is the turn it restates)")
     lc.add_argument("--observation-origin", action="store_true",
@@ -112,7 +112,7 @@ def add_parsers(sub) -> None:
                     help="retrieval ranking (default: the configured one, hybrid)")
     lc.add_argument("--codecs", type=_codec_list, default=(),
                     help="comma-separated KV codecs to answer with too, beside the lossless blobs (e.g. int8,int6)")
-    lc.add_argument("--text-facts", type=_non_negative_int, default=None,
+    lc.add_argument("--text-facts", type=non_negative_int, default=None,
                     help="KV mode prefills its last N facts as text (default: the configured kv.text_facts, "
                          "KVMEM_KV_TEXT_FACTS, 0)")
     _common(lc, "locomo")
@@ -127,7 +127,7 @@ def add_parsers(sub) -> None:
     rt.add_argument("--window", type=int, default=2,
                     help="turns: the turns before each that it is stored after, searched and encoded with "
                          "(default: 2, as add(messages) does)")
-    rt.add_argument("--observation-window", type=_non_negative_int, default=0,
+    rt.add_argument("--observation-window", type=non_negative_int, default=0,
                     help="observations: the turns ending at its evidence that each is stored and searched "
                          "after (default: 0; 1 is the turn it restates)")
     rt.add_argument("--observation-origin", action="store_true",
@@ -290,15 +290,12 @@ def _codec_list(text: str) -> tuple[str, ...]:
 
 
 def cmd_locomo(args, config) -> int:
-    from dataclasses import replace
-
     from kvmem.bench import eval_locomo, eval_report
 
-    text_facts = config.kv.text_facts if args.text_facts is None else args.text_facts
-    config = replace(config, kv=replace(config.kv, text_facts=text_facts))
+    # --text-facts reached config.kv.text_facts through the overlay (config_overlay.FLAGS).
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
                                  seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs,
-                                 text_facts=text_facts, observation_window=args.observation_window,
+                                 text_facts=config.kv.text_facts, observation_window=args.observation_window,
                                  observation_origin=args.observation_origin)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.

@@ -52,12 +52,15 @@ class EvalConfig:
     def __post_init__(self):
         if self.observation_window is not None and self.memory != "both":
             raise InvalidInputError("observation_window is for memory 'both'; with observations alone, "
-                                    f"window is the observations' window (memory {self.memory!r})")
+                                    f"window is the observations' window (memory {self.memory!r})",
+                                    param="observation_window")
         if self.observation_origin and self.memory == "turns":
-            raise InvalidInputError("observation_origin needs observations stored (memory 'observations' or 'both')")
+            raise InvalidInputError("observation_origin needs observations stored (memory 'observations' or 'both')",
+                                    param="observation_origin")
         if self.observation_window is not None and (not isinstance(self.observation_window, int)
                                                     or self.observation_window < 0):
-            raise InvalidInputError(f"observation_window must be an int >= 0, got {self.observation_window!r}")
+            raise InvalidInputError(f"observation_window must be an int >= 0, got {self.observation_window!r}",
+                                    param="observation_window")
 
     @property
     def window_size(self) -> int:

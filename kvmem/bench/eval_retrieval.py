@@ -82,9 +82,10 @@ def run(mem, data: Path, conversations: tuple[str, ...], rankings=RETRIEVAL_MODE
         memory: str = "observations", novel_only: bool = False, window: int = 2, observation_window: int = 0,
         observation_origin: bool = False) -> dict:
     if memory not in MEMORIES:
-        raise InvalidInputError(f"memory must be one of {MEMORIES}, got {memory!r}")
+        raise InvalidInputError(f"memory must be one of {MEMORIES}, got {memory!r}", param="memory")
     if not isinstance(observation_window, int) or observation_window < 0:
-        raise InvalidInputError(f"observation_window must be an int >= 0, got {observation_window!r}")
+        raise InvalidInputError(f"observation_window must be an int >= 0, got {observation_window!r}",
+                                param="observation_window")
     convs = [c for c in locomo.load(data) if not conversations or c["sample_id"] in conversations]
     rows, latency = [], {r: [] for r in rankings}
     depth = max(ks) * (NOVEL_DEPTH if novel_only else 1)

@@ -27,7 +27,7 @@ def load(path: Path | str = DEFAULT_PATH) -> list[dict]:
     if not path.is_file():
         raise InvalidInputError(
             f"LoCoMo data not found at {path}. kvmem does not ship it (CC BY-NC): download locomo10.json "
-            "from the LoCoMo repository (snap-research/locomo on GitHub) and pass --data PATH")
+            "from the LoCoMo repository (snap-research/locomo on GitHub) and pass --data PATH", param="path")
     return json.loads(path.read_text())
 
 

@@ -51,15 +51,15 @@ def l2_normalize(vectors: np.ndarray) -> np.ndarray:
 
 def _check_texts(texts: list[str]) -> None:
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
-        raise InvalidInputError(f"embed() takes a list of strings, got {type(texts).__name__}")
+        raise InvalidInputError(f"embed() takes a list of strings, got {type(texts).__name__}", param="texts")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
-            raise InvalidInputError(f"text #{i} is {type(text).__name__}, not str")
+            raise InvalidInputError(f"text #{i} is {type(text).__name__}, not str", param=f"texts[{i}]")
         if not text.strip():
-            raise InvalidInputError(f"text #{i} is empty")
+            raise InvalidInputError(f"text #{i} is empty", param=f"texts[{i}]")
 
 
 def _check_batch_size(batch_size: int) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidInputError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        raise InvalidInputError(f"batch_size must be an int >= 1, got {batch_size!r}", param="batch_size")
     return batch_size

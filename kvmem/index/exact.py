@@ -28,7 +28,7 @@ SCAN_FROM = 4096  # rows from which an unfiltered search reads the int8 copies f
 class ExactIndex(VectorIndex):
     def __init__(self, dim: int, scan_from: int = SCAN_FROM) -> None:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise InvalidInputError(f"dim must be an int >= 1, got {dim!r}")
+            raise InvalidInputError(f"dim must be an int >= 1, got {dim!r}", param="dim")
         self.dim = dim
         self.scan_from = scan_from
         self._scopes: dict[str, ScopeBlock] = {}
@@ -82,7 +82,7 @@ class ExactIndex(VectorIndex):
     def ranked(self, scope_key: str, query: np.ndarray, k: int,
                filters: Mapping[str, Any] | Filters | None = None) -> Ranking:
         if isinstance(k, bool) or not isinstance(k, Integral) or k < 1:
-            raise InvalidInputError(f"k must be an int >= 1, got {k!r}")
+            raise InvalidInputError(f"k must be an int >= 1, got {k!r}", param="k")
         check_scope(scope_key)
         q = unit_query(query, self.dim)  # [dim]
         conditions = validate_filters(filters)
@@ -105,6 +105,15 @@ class ExactIndex(VectorIndex):
             found = [i for i in ids if i in block.rows]
             rows = np.asarray([block.rows[i] for i in found], np.int64)  # [m]
             return dict(zip(found, row_scores(block.vectors, rows, q).tolist()))
+
+    def export(self, scope_key: str) -> tuple[list[str], np.ndarray, list[dict[str, Any]]]:
+        """The scope's ids, unit vectors [n, dim] and metadata, as copies (to move it to another
+        index: GraphIndex.export is the same call the other way)."""
+        with self._lock.read():
+            block = self._scopes.get(scope_key)
+            if block is None:
+                return [], np.empty((0, self.dim), np.float32), []
+            return list(block.ids), block.live().copy(), [dict(m) for m in block.metas]
 
     def count(self, scope_key: str) -> int:
         with self._lock.read():

@@ -94,7 +94,7 @@ class _Scope:
 class GraphIndex(VectorIndex):
     def __init__(self, dim: int, config: GraphIndexConfig | None = None) -> None:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise InvalidInputError(f"dim must be an int >= 1, got {dim!r}")
+            raise InvalidInputError(f"dim must be an int >= 1, got {dim!r}", param="dim")
         self.dim = dim
         self.config = config or GraphIndexConfig()
         self._scopes: dict[str, _Scope] = {}
@@ -144,7 +144,7 @@ class GraphIndex(VectorIndex):
     def search(self, scope_key: str, query: np.ndarray, k: int,
                filters: Mapping[str, Any] | Filters | None = None) -> list[Hit]:
         if isinstance(k, bool) or not isinstance(k, Integral) or k < 1:
-            raise InvalidInputError(f"k must be an int >= 1, got {k!r}")
+            raise InvalidInputError(f"k must be an int >= 1, got {k!r}", param="k")
         check_scope(scope_key)
         q = unit_query(query, self.dim)  # [dim]
         conditions = validate_filters(filters)
@@ -277,7 +277,7 @@ def _config_from(raw: dict) -> GraphIndexConfig:
 def _json_scalar(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()  # numpy numbers pass the filters' checks; JSON wants Python ones
-    raise InvalidInputError(f"metadata value {value!r} cannot be saved")
+    raise InvalidInputError(f"metadata value {value!r} cannot be saved", param="metadata")
 
 
 def _encode_meta(meta: dict[str, Any] | None) -> dict | None:

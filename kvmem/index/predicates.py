@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from functools import lru_cache
 from numbers import Real
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvmem.index.filters import Condition
+
+@dataclass(frozen=True)
+class Condition:
+    """One checked condition. `value` is a tuple for in/nin; dates are held as aware datetimes.
+
+    kvmem.index.filters checks and makes them; the class lives here, beside what runs it, so
+    the dependency goes one way: filters imports predicates, never the reverse."""
+
+    key: str
+    op: str
+    value: Any
+
 
 Predicate = Callable[[Mapping[str, Any]], bool]
 Test = Callable[[Any], bool]

@@ -20,7 +20,7 @@ DTYPES = {8: np.int8, 32: np.float32}
 
 def dtype_for(bits: int) -> type:
     if bits not in DTYPES:
-        raise InvalidInputError(f"vector_bits must be 8 or 32, got {bits!r}")
+        raise InvalidInputError(f"vector_bits must be 8 or 32, got {bits!r}", param="vector_bits")
     return DTYPES[bits]
 
 

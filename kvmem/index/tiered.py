@@ -37,7 +37,8 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.demote_at < self.promote_at:
-            raise InvalidInputError(f"need 0 <= demote_at < promote_at, got {self.demote_at}, {self.promote_at}")
+            raise InvalidInputError(f"need 0 <= demote_at < promote_at, got {self.demote_at}, {self.promote_at}",
+                                    param="demote_at")
 
 
 class TieredIndex(VectorIndex):
@@ -75,8 +76,7 @@ class TieredIndex(VectorIndex):
     def _move(self, scope_key: str, to_graph: bool) -> None:
         """Rebuild the scope in the other tier (one batch), then drop it from this one."""
         if to_graph:
-            block = self.exact._scopes[scope_key]  # same package; the write lock keeps it still
-            ids, vectors, metas = list(block.ids), block.live().copy(), [dict(m) for m in block.metas]
+            ids, vectors, metas = self.exact.export(scope_key)  # our write lock keeps the scope still
             self.graph.add(scope_key, ids, vectors, metas)
             self.exact.remove_scope(scope_key)
             self._graph_scopes.add(scope_key)

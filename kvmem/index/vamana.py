@@ -52,7 +52,8 @@ class GraphParams:
                 or self.beam_scale_from < 1):
             raise InvalidInputError(f"bad graph parameters: {self}")
         if not 0.0 < self.consolidate_share <= 1.0:
-            raise InvalidInputError(f"consolidate_share must be in (0, 1], got {self.consolidate_share}")
+            raise InvalidInputError(f"consolidate_share must be in (0, 1], got {self.consolidate_share}",
+                                    param="consolidate_share")
         dtype_for(self.vector_bits)
 
 

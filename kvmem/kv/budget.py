@@ -72,7 +72,8 @@ class DiskBudget:
     def __init__(self, budget_bytes: int | None = None, quota_bytes: int | None = None, ghosts: int = 1_000_000) -> None:
         for name, value in (("budget", budget_bytes), ("quota", quota_bytes)):
             if value is not None and value < 0:
-                raise InvalidInputError(f"disk {name} must be >= 0 bytes or None (unlimited), got {value}")
+                raise InvalidInputError(f"disk {name} must be >= 0 bytes or None (unlimited), got {value}",
+                                        param=f"{name}_bytes")
         self.budget = budget_bytes
         self.quota = quota_bytes
         self.used = 0

@@ -48,7 +48,7 @@ _ROTATED = ("int7", "int6", "int4h")
 
 def check_codec(name: str) -> str:
     if name not in CODECS:
-        raise InvalidInputError(f"unknown KV codec {name!r}; choose one of {', '.join(CODECS)}")
+        raise InvalidInputError(f"unknown KV codec {name!r}; choose one of {', '.join(CODECS)}", param="codec")
     return name
 
 

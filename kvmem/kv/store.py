@@ -35,7 +35,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from kvmem.errors import BlobError, InvalidInputError
+from kvmem.errors import BlobError
+from kvmem.ids import check_fact_id
 from kvmem.kv.blob import KVBlob, check_header, decode_blob, encode_blob, verify_blob
 from kvmem.kv.shared import SharedTier, SharedTierError
 
@@ -45,12 +46,6 @@ _MAX_HEADER = 64 << 20  # safetensors' own bound on a header
 _VERIFIED_ENTRIES = 200_000  # token ids of checked blobs: ~1 KB each at most
 _FACT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _SYNC_WAIT_S = 5.0  # at start-up, how long to wait for the first reconcile with the shared tier
-
-
-def check_fact_id(fact_id: str) -> str:
-    if not isinstance(fact_id, str) or not _FACT_ID.match(fact_id) or fact_id.startswith("."):
-        raise InvalidInputError(f"fact id {fact_id!r} must be 1-128 of [A-Za-z0-9_.:-], not starting with '.'")
-    return fact_id
 
 
 class KVStore:

@@ -37,22 +37,20 @@ def not_found(what: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"{what} not found", param=param, code="not_found")
 
 
+_STATUS = {  # InvalidInputError.code -> HTTP status; the code doubles as OpenAI's `code` field
+    InvalidInputError.INVALID_VALUE: 400,
+    InvalidInputError.FACT_TOO_LARGE: 413,
+    InvalidInputError.CONTEXT_LENGTH_EXCEEDED: 422,
+}
+
+
 def from_invalid_input(e: InvalidInputError, param: str | None = None) -> ApiError:
-    """kvmem's InvalidInputError: 413 for an oversize fact, 422 for a context that cannot fit, else 400."""
-    text = str(e)
-    if "limit is" in text or "too long" in text:
-        return ApiError(413, text, param=param, code="fact_too_large")
-    if ("exceed" in text and "the model" in text) or "do not fit" in text:
-        return ApiError(422, text, param=param, code="context_length_exceeded")
-    return ApiError(400, text, param=param or _guess_param(text), code="invalid_value")
+    """kvmem's InvalidInputError as the response its code stands for.
 
-
-def _guess_param(text: str) -> str | None:
-    for name in ("timestamp", "origin", "messages", "message", "user_id", "agent_id", "run_id", "metadata", "filters", "query", "mode",
-                 "context", "window", "limit", "offset", "facts", "fact", "filter"):
-        if text.startswith(name) or f" {name}" in text:
-            return {"message": "messages", "fact": "facts", "filter": "filters"}.get(name, name)
-    return None
+    Status and param come from the fields set where it was raised, never from the message:
+    messages are for people and get reworded. A `param` given here (the caller knows the
+    request field better than the library did) wins over the error's own."""
+    return ApiError(_STATUS[e.code], str(e), param=param or e.param, code=e.code)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}

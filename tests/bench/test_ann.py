@@ -47,5 +47,6 @@ def test_locomo_data_embeds_turns_as_base_and_questions_as_queries(locomo_path):
 def test_an_unknown_data_set_is_refused_with_the_projects_error():
     from kvmem.errors import InvalidInputError
 
-    with pytest.raises(InvalidInputError, match="clustered or locomo"):
+    with pytest.raises(InvalidInputError, match="clustered or locomo") as err:
         ann.load_data(ann.AnnConfig(n=100, data="sift"), log=lambda *a: None)
+    assert err.value.param == "data"

@@ -88,5 +88,6 @@ def test_default_windows_are_two_turns_for_turns_and_none_for_observations():
 
 
 def test_missing_data_says_where_to_get_it(tmp_path):
-    with pytest.raises(InvalidInputError, match="LoCoMo data not found.*--data"):
+    with pytest.raises(InvalidInputError, match="LoCoMo data not found.*--data") as err:
         locomo.load(tmp_path / "absent.json")
+    assert err.value.param == "path"

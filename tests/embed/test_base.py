@@ -38,22 +38,24 @@ def test_empty_list_skips_the_model():
 
 
 @pytest.mark.parametrize(
-    "texts, message",
+    "texts, message, param",
     [
-        ("hello", "takes a list of strings, got str"),
-        (None, "takes a list of strings, got NoneType"),
-        (["ok", 3], "text #1 is int, not str"),
-        (["ok", "  "], "text #1 is empty"),
+        ("hello", "takes a list of strings, got str", "texts"),
+        (None, "takes a list of strings, got NoneType", "texts"),
+        (["ok", 3], "text #1 is int, not str", "texts[1]"),
+        (["ok", "  "], "text #1 is empty", "texts[1]"),
     ],
 )
-def test_bad_texts(texts, message):
-    with pytest.raises(InvalidInputError, match=message):
+def test_bad_texts(texts, message, param):
+    with pytest.raises(InvalidInputError, match=message) as err:
         FakeEmbedder().embed(texts)
+    assert err.value.param == param
 
 
 @pytest.mark.parametrize("size", [0, -1, 2.5, True])
 def test_bad_batch_size(size):
-    with pytest.raises(InvalidInputError, match="batch_size must be an int >= 1"):
+    with pytest.raises(InvalidInputError, match="batch_size must be an int >= 1") as err:
         FakeEmbedder(batch_size=size)
+    assert err.value.param == "batch_size"
     with pytest.raises(InvalidInputError, match="batch_size must be an int >= 1"):
         FakeEmbedder().embed(["a"], batch_size=size)

@@ -198,6 +198,36 @@ def test_bad_input_is_refused_without_changes(index, call, message):
     assert index.count("u") == 3 and len(index) == 3
 
 
+@pytest.mark.parametrize(
+    "call, param",
+    [
+        (lambda ix: ix.search("u", np.ones(4), 1), "query"),
+        (lambda ix: ix.search("u", np.zeros(3), 1), "query"),  # checked as rows, named as the query
+        (lambda ix: ix.search("u", unit(1, 0, 0), 0), "k"),
+        (lambda ix: ix.search("u", np.ones(3), 1, {"a": {"bad": 1}}), "filters"),
+        (lambda ix: ix.search(3, np.ones(3), 1), "scope_key"),
+        (lambda ix: ix.add("u", ["a"], np.zeros((1, 3))), "vectors"),
+        (lambda ix: ix.add("u", ["a", 2], np.ones((2, 3))), "ids"),
+        (lambda ix: ix.add("u", ["a"], np.ones((1, 3)), ["meta"]), "metadata"),
+        (lambda ix: ExactIndex(0), "dim"),
+    ],
+)
+def test_refusals_name_the_argument_at_fault(index, call, param):
+    with pytest.raises(InvalidInputError) as err:
+        call(index)
+    assert (err.value.param, err.value.code) == (param, InvalidInputError.INVALID_VALUE)
+
+
+def test_export_hands_out_copies_of_the_scope(index):
+    """What TieredIndex moves to the graph: the scope as it is, and nothing the index still holds."""
+    ids, vectors, metas = index.export("u")
+    assert ids == ["x", "y", "z"] and np.allclose(vectors, np.eye(3)) and metas[0] == {"kind": "a"}
+    vectors[:], metas[0]["kind"] = 0, "changed"
+    assert index.search("u", unit(1, 0, 0), 1)[0].id == "x" and index.export("u")[2][0] == {"kind": "a"}
+    ids, vectors, metas = index.export("nobody")
+    assert ids == [] and vectors.shape == (0, 3) and metas == []
+
+
 @pytest.mark.parametrize("dim", [0, -3, 2.0, True])
 def test_bad_dim(dim):
     with pytest.raises(InvalidInputError, match="dim must be an int >= 1"):

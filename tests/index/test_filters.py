@@ -164,5 +164,6 @@ def test_invalid_filters(filters, message):
     with pytest.raises(InvalidInputError) as err:
         validate_filters(filters)
     assert message in str(err.value)
+    assert (err.value.param, err.value.code) == ("filters", InvalidInputError.INVALID_VALUE)  # the HTTP 400's param
     with pytest.raises(InvalidInputError):  # matches() refuses the same input
         matches({}, filters)

@@ -85,10 +85,12 @@ def test_forget_returns_the_bytes_and_the_history():
 
 
 def test_negative_budgets_are_refused():
-    with pytest.raises(InvalidInputError):
+    with pytest.raises(InvalidInputError) as err:
         DiskBudget(-1)
-    with pytest.raises(InvalidInputError):
+    assert err.value.param == "budget_bytes"
+    with pytest.raises(InvalidInputError) as err:
         DiskBudget(quota_bytes=-5)
+    assert err.value.param == "quota_bytes"
 
 
 def test_a_quota_of_zero_evicts_every_blob_of_the_tenant():

@@ -123,5 +123,6 @@ def test_zero_rows_survive():
 
 
 def test_unknown_codec_is_refused():
-    with pytest.raises(InvalidInputError, match="unknown KV codec"):
+    with pytest.raises(InvalidInputError, match="unknown KV codec") as err:
         check_codec("zip")
+    assert err.value.param == "codec"

@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvmem.errors import InvalidInputError
+from kvmem.index import validate_filters
 from kvmem.server.app import create_app
 from kvmem.server.cli import serve_main
 from kvmem.server.errors import from_invalid_input, validation_param
@@ -97,14 +98,42 @@ def test_oversize_body_is_413_by_length_and_by_count():
         assert_error(c.post("/v1/memories", content=chunks()), 413)
 
 
-@pytest.mark.parametrize("message,status", [
-    ("fact is 300 tokens long; the limit is 256 (memory.max_fact_tokens)", 413),
-    ("fact and its context do not fit the model's context length", 422),
-    ("prompt of 5000 tokens + 64 new tokens exceeds the model's 4096", 422),
-    ("user_id must be a non-empty string, got ''", 400),
-])
-def test_invalid_input_statuses(message, status):
-    assert from_invalid_input(InvalidInputError(message)).status == status
+STATUS = {InvalidInputError.INVALID_VALUE: 400, InvalidInputError.FACT_TOO_LARGE: 413,
+          InvalidInputError.CONTEXT_LENGTH_EXCEEDED: 422}
+# Each old status's trigger words (the server once chose the status by matching them), and
+# plain text: none of it may move the status away from the code's.
+WORDINGS = ["fact is 300 tokens long; the limit is 256 (memory.max_fact_tokens)",
+            "fact and its context do not fit the model's context length",
+            "prompt of 5000 tokens + 64 new tokens exceeds the model's 4096",
+            "user_id must be a non-empty string, got ''", "something is wrong"]
+
+
+@pytest.mark.parametrize("code", InvalidInputError.CODES)
+def test_invalid_input_status_and_param_come_from_the_code_whatever_the_message(code):
+    for message in WORDINGS:
+        error = from_invalid_input(InvalidInputError(message, param="facts[0]", code=code))
+        assert (error.status, error.param, error.code, error.message) == (STATUS[code], "facts[0]", code, message)
+
+
+def test_invalid_input_param_is_the_errors_own_unless_the_caller_names_one():
+    assert from_invalid_input(InvalidInputError("user_id must be set")).param is None  # no guessing from words
+    assert from_invalid_input(InvalidInputError("x", param="query")).param == "query"
+    assert from_invalid_input(InvalidInputError("x", param="query"), param="messages").param == "messages"
+    too_big = InvalidInputError("x", code=InvalidInputError.FACT_TOO_LARGE)
+    assert from_invalid_input(too_big, param="facts").status == 413
+
+
+@pytest.mark.parametrize("value", ["the limit is 256", "far too long", "exceeds the model", "do not fit"])
+def test_a_real_refusal_keeps_its_status_and_param_whatever_its_message_says(value):
+    """validate_filters quotes the bad value in its message, so the text reads like a 413 or
+    a 422 there; status and param are still those set where it is raised."""
+    with pytest.raises(InvalidInputError) as raised:
+        validate_filters({"when": {"gt": value}})
+    assert any(word in str(raised.value) for word in ("limit is", "too long", "exceed", "do not fit"))
+    error = from_invalid_input(raised.value)
+    assert (error.status, error.param, error.code) == (400, "filters", "invalid_value")
+    reworded = InvalidInputError("a new wording", param=raised.value.param, code=raised.value.code)
+    assert (from_invalid_input(reworded).status, from_invalid_input(reworded).param) == (400, "filters")
 
 
 def test_validation_param_names_the_field():
@@ -171,7 +200,8 @@ class AnsweringMem:
         from kvmem.results import ChatResult
 
         if "x" * 10 in messages[-1]["content"]:
-            raise InvalidInputError("prompt of 9999 tokens + 4 new tokens exceeds the model's 4096")
+            raise InvalidInputError("prompt of 9999 tokens + 4 new tokens exceeds the model's 4096",
+                                    code=InvalidInputError.CONTEXT_LENGTH_EXCEEDED)  # as KVMem.chat raises it
         return ChatResult(answer="Bruno.", mode=kw["mode"], fact_ids=("f-1",), ttft_s=0.01, latency_s=0.02,
                           prompt_tokens=50, injected_tokens=30, cached_tokens=0, fallbacks=0, token_ids=(1, 2))
 
@@ -209,13 +239,13 @@ class BlockingMem:
     """Each add blocks until `release` is set: a server whose thread pool is full."""
 
     def __init__(self) -> None:
-        from types import SimpleNamespace
+        from kvmem.results import MemoryStatus
 
         self.release, self.entered, self._lock = threading.Event(), 0, threading.Lock()
-        self.kv, self.facts = SimpleNamespace(total_bytes=lambda: 0), SimpleNamespace(count=lambda: 0)
         tiers = dict.fromkeys(("ram_budget_bytes", "disk_bytes", "disk_hits", "disk_misses", "ram_hits",
                                "ram_misses", "evictions", "readmissions"), 0)
-        self.kv_tiers = lambda: {**tiers, "disk_budget_bytes": None}
+        self.status = lambda: MemoryStatus(facts=0, encode_queue=0, kv_bytes=0,
+                                           tiers={**tiers, "disk_budget_bytes": None}, engine=None)
 
     def add(self, *args, **kw):
         from kvmem.results import AddResult
