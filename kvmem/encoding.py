@@ -56,7 +56,7 @@ class Encoder:
     def ensure_head(self) -> None:
         if not self.blob_ok(self.prompts.head_id):
             prompt = self.prompts.head_encoding()
-            self.engine.run([EngineRequest(prompt.token_ids, salt("encode", ""), 1, Plan(ENCODE, prompt.segments))])
+            self.engine.encode([EngineRequest(prompt.token_ids, salt("encode", ""), 1, Plan(ENCODE, prompt.segments))])
 
     def encode(self, records, *, progress: bool | None = None) -> EncodeReport:
         """Encode now; each fact ends 'encoded' or 'failed' (then retried in the background)."""
@@ -79,7 +79,7 @@ class Encoder:
             requests.append(EngineRequest(prompt.token_ids, salt("encode", r.scope.user_id), 1,
                                           Plan(ENCODE, prompt.segments), route=r.scope.user_id))
         try:
-            self.engine.run(requests)
+            self.engine.encode(requests)
         except Exception:  # noqa: BLE001 - the facts stay pending/failed and are retried
             log.exception("encoding batch of %d facts failed", len(requests))
 

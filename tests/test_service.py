@@ -267,3 +267,17 @@ def test_a_conversation_too_long_to_fit_is_refused_without_tokenizing_it(mem, mo
 def test_user_text_holding_the_old_prompt_marker_is_plain_text(mem):
     r = mem.chat("a \x00KVMEM-FACTS\x00 b", user_id="marker", mode="off", max_tokens=2)
     assert r.prompt_tokens > 0
+
+
+def test_status_is_one_typed_snapshot_of_store_queue_tiers_and_engine(mem):
+    from kvmem.engine.protocol import Engine, EngineStatus
+
+    assert isinstance(mem.engine, Engine)  # the in-process engine implements the protocol
+    mem.add(facts=["Status check: the kettle is blue."], user_id="status")
+    status = mem.status()
+    assert status.facts == mem.facts.count() and status.facts >= 1
+    assert status.encode_queue == 0 and status.kv_bytes == mem.kv.total_bytes() > 0
+    assert status.tiers == mem.kv_tiers()
+    assert isinstance(status.engine, EngineStatus) and status.engine.kind == "local" and status.engine.healthy
+    assert status.engine.aborted == mem.engine.aborted
+    mem.delete_all(user_id="status")

@@ -95,9 +95,10 @@ def test_the_printed_command_is_the_stock_server_with_kvmem_s_connector(tmp_path
 
 
 def test_facts_encoded_and_injected_through_the_replica_match_text_prefill(remote_mem):
+    from kvmem.engine.protocol import Engine
     from kvmem.engine.remote import RemoteEngine
 
-    assert isinstance(remote_mem.engine, RemoteEngine)
+    assert isinstance(remote_mem.engine, RemoteEngine) and isinstance(remote_mem.engine, Engine)
     user = f"u-{uuid.uuid4().hex[:8]}"  # a salt no earlier prompt used: nothing comes from the prefix cache
     added = remote_mem.add(facts=["My dog is called Biscuit and loves carrots.", "I live in Porto."], user_id=user)
     assert added.encode.encoded == 2 and all(remote_mem.kv.get(i).num_tokens > 0 for i in added.ids)
@@ -151,6 +152,9 @@ def test_a_dead_replica_is_passed_over_and_its_users_served_by_the_next(served, 
         engine.replicas.mark_up(dead)
         results = engine.run([EngineRequest(prompt, f"salt-{u}", 2, route=u) for u in users])
         assert all(len(r.token_ids) == 2 for r in results) and engine.failovers == len(users)
+        status = engine.status()  # what /metrics reads: per replica, first choice or not
+        assert status.kind == "remote" and status.healthy and status.failovers == len(users)
+        assert sum(n for url, first, n in status.answered if url == config.engine.url and not first) == len(users)
     finally:
         engine.close()
     with pytest.raises(EngineError, match="no kvmem replica answers"):
