@@ -1,17 +1,34 @@
-"""Configuration as frozen dataclasses. `from_env` is the one place that reads the environment."""
+"""Configuration as frozen dataclasses, and the KVMEM_* variables that set them (`ENV`).
+
+`ENV` and `env_values` are the one place that reads the environment: `Config.from_env` (the
+Python API) layers it over the defaults, and the commands' overlay (config_overlay.py) layers it
+between their config file and their flags.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
+
+from kvmem.errors import KvmemError
 
 # Bumped whenever the blob layout or the meaning of stored K changes; part of every fingerprint.
 KV_FORMAT_VERSION = 1
 
 
-def default_home() -> Path:
-    return Path(os.environ.get("KVMEM_HOME", Path.home() / ".cache" / "kvmem"))
+def builtin_home() -> Path:
+    """~/.cache/kvmem: the data folder when neither KVMEM_HOME, a config file nor a flag names one."""
+    return Path.home() / ".cache" / "kvmem"
+
+
+def default_home(env: Mapping[str, str] | None = None) -> Path:
+    """$KVMEM_HOME, else builtin_home(); env: the variables to read (default os.environ)."""
+    env = os.environ if env is None else env
+    return Path(env.get("KVMEM_HOME", builtin_home()))
 
 
 @dataclass(frozen=True)
@@ -173,32 +190,60 @@ class Config:
 
     @classmethod
     def from_env(cls, **overrides) -> "Config":
-        """Defaults, then KVMEM_* environment variables, then explicit overrides."""
-        engine = EngineConfig(
-            model=os.environ.get("KVMEM_MODEL") or None,
-            block_size=int(os.environ.get("KVMEM_BLOCK_SIZE", EngineConfig.block_size)),
-            max_model_len=int(os.environ.get("KVMEM_MAX_MODEL_LEN", EngineConfig.max_model_len)),
-            cpu_kv_space_gib=int(os.environ.get("KVMEM_CPU_KV_SPACE_GIB", EngineConfig.cpu_kv_space_gib)),
-            gpu_memory_utilization=float(os.environ.get("KVMEM_GPU_MEMORY_UTILIZATION",
-                                                        EngineConfig.gpu_memory_utilization)),
-            load_format=os.environ.get("KVMEM_LOAD_FORMAT", EngineConfig.load_format),
-            enforce_eager=_tristate(os.environ.get("KVMEM_ENFORCE_EAGER", "")),
-            url=os.environ.get("KVMEM_ENGINE_URL") or None,
-        )
-        kv = KVConfig(codec=os.environ.get("KVMEM_KV_CODEC", KVConfig.codec),
-                      reader_adapter=os.environ.get("KVMEM_READER_ADAPTER", KVConfig.reader_adapter),
-                      hot_cache_mib=int(os.environ.get("KVMEM_HOT_CACHE_MIB", KVConfig.hot_cache_mib)),
-                      disk_budget_mib=_mib_or_none(os.environ.get("KVMEM_KV_DISK_BUDGET_MIB", "")),
-                      tenant_quota_mib=_mib_or_none(os.environ.get("KVMEM_KV_TENANT_QUOTA_MIB", "")),
-                      shared_url=os.environ.get("KVMEM_KV_SHARED_URL") or None,
-                      text_facts=int(os.environ.get("KVMEM_KV_TEXT_FACTS", KVConfig.text_facts)))
-        retrieval = RetrievalConfig(
-            mode=os.environ.get("KVMEM_RETRIEVAL", RetrievalConfig.mode),
-            depth=int(os.environ.get("KVMEM_RETRIEVAL_DEPTH", RetrievalConfig.depth)),
-            dense_weight=float(os.environ.get("KVMEM_RETRIEVAL_DENSE_WEIGHT", RetrievalConfig.dense_weight)),
-        )
-        return replace(cls(engine=engine, kv=kv, retrieval=retrieval,
-                           database_url=os.environ.get("KVMEM_DATABASE_URL") or None), **overrides)
+        """Defaults, then KVMEM_* environment variables, then explicit overrides.
+
+        models_home stays None (home/models): the commands' shared models folder is their
+        overlay's default (config_overlay.resolve), not the Python API's."""
+        values = {key: value for key, (value, _) in env_values(os.environ).items()}
+        return replace(cls.from_values(values), **overrides)
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> "Config":
+        """A Config from flat keys ("home", "engine.model", ...: `keys()`); the others keep their
+        defaults. Each section is built once, from its final values, so its own checks judge what
+        will be used rather than a half-applied mix."""
+        top: dict[str, Any] = {}
+        sections: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            section, _, name = key.rpartition(".")
+            (sections.setdefault(section, {}) if section else top)[name] = value
+        try:
+            built = {name: SECTIONS[name](**given) for name, given in sections.items()}
+            return cls(**top, **built)
+        except KvmemError:
+            raise  # typed already (an unknown codec is an InvalidInputError, as callers expect)
+        except (TypeError, ValueError) as e:  # an unknown key, a value out of range
+            raise ConfigError(str(e)) from e
+
+
+class ConfigError(KvmemError, ValueError):
+    """A configuration value kvmem cannot use: a bad KVMEM_* variable, config file entry or
+    value out of range. A ValueError too, as the dataclasses' own checks have always raised."""
+
+
+SECTIONS: dict[str, type] = {f.name: type(f.default) for f in dataclasses.fields(Config)
+                             if dataclasses.is_dataclass(f.default)}
+PATHS = ("home", "models_home", "kv_root")  # the keys whose values are folders
+
+
+def keys() -> tuple[str, ...]:
+    """Every setting's flat key, in Config's field order: "home", ..., "engine.model", ..."""
+    out: list[str] = []
+    for f in dataclasses.fields(Config):
+        if f.name in SECTIONS:
+            out += [f"{f.name}.{g.name}" for g in dataclasses.fields(SECTIONS[f.name])]
+        else:
+            out.append(f.name)
+    return tuple(out)
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    """{flat key: value} of a Config, the inverse of Config.from_values."""
+    out: dict[str, Any] = {}
+    for key in keys():
+        section, _, name = key.rpartition(".")
+        out[key] = getattr(getattr(config, section) if section else config, name)
+    return out
 
 
 def _mib_or_none(value: str) -> float | None:
@@ -209,3 +254,54 @@ def _mib_or_none(value: str) -> float | None:
 def _tristate(value: str) -> bool | None:
     """"" -> None (automatic), "0" -> False, anything else -> True."""
     return None if value == "" else value != "0"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """A KVMEM_* variable: its name and how its text is read.
+
+    blank_unset: "" reads as not set (for those whose "" always meant the default), so an empty
+    variable left in a shell does not hide a config file's value."""
+
+    name: str
+    parse: Callable[[str], Any]
+    blank_unset: bool = False
+
+
+# flat key -> its variable. Keys absent here have no variable (config file or flags only).
+ENV: dict[str, EnvVar] = {
+    "home": EnvVar("KVMEM_HOME", Path),
+    "database_url": EnvVar("KVMEM_DATABASE_URL", str, blank_unset=True),
+    "engine.model": EnvVar("KVMEM_MODEL", str, blank_unset=True),
+    "engine.block_size": EnvVar("KVMEM_BLOCK_SIZE", int),
+    "engine.max_model_len": EnvVar("KVMEM_MAX_MODEL_LEN", int),
+    "engine.cpu_kv_space_gib": EnvVar("KVMEM_CPU_KV_SPACE_GIB", int),
+    "engine.gpu_memory_utilization": EnvVar("KVMEM_GPU_MEMORY_UTILIZATION", float),
+    "engine.load_format": EnvVar("KVMEM_LOAD_FORMAT", str),
+    "engine.enforce_eager": EnvVar("KVMEM_ENFORCE_EAGER", _tristate, blank_unset=True),
+    "engine.url": EnvVar("KVMEM_ENGINE_URL", str, blank_unset=True),
+    "kv.codec": EnvVar("KVMEM_KV_CODEC", str),
+    "kv.reader_adapter": EnvVar("KVMEM_READER_ADAPTER", str),
+    "kv.hot_cache_mib": EnvVar("KVMEM_HOT_CACHE_MIB", int),
+    "kv.disk_budget_mib": EnvVar("KVMEM_KV_DISK_BUDGET_MIB", _mib_or_none, blank_unset=True),
+    "kv.tenant_quota_mib": EnvVar("KVMEM_KV_TENANT_QUOTA_MIB", _mib_or_none, blank_unset=True),
+    "kv.shared_url": EnvVar("KVMEM_KV_SHARED_URL", str, blank_unset=True),
+    "kv.text_facts": EnvVar("KVMEM_KV_TEXT_FACTS", int),
+    "retrieval.mode": EnvVar("KVMEM_RETRIEVAL", str),
+    "retrieval.depth": EnvVar("KVMEM_RETRIEVAL_DEPTH", int),
+    "retrieval.dense_weight": EnvVar("KVMEM_RETRIEVAL_DENSE_WEIGHT", float),
+}
+
+
+def env_values(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """{flat key: (value, variable name)} for each KVMEM_* variable set in env."""
+    out: dict[str, tuple[Any, str]] = {}
+    for key, var in ENV.items():
+        raw = env.get(var.name)
+        if raw is None or (raw == "" and var.blank_unset):
+            continue
+        try:
+            out[key] = (var.parse(raw), var.name)
+        except ValueError as e:
+            raise ConfigError(f"{var.name}={raw!r}: {e}") from None
+    return out

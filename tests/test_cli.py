@@ -251,3 +251,12 @@ def test_tune_reader_refuses_a_model_whose_rotary_it_cannot_move_before_any_work
     with pytest.raises(SystemExit) as exit_:
         kvmem("--model", str(phi3), "tune-reader", "--data", str(tmp_path / "no-such-locomo.json"))
     assert "rotary embeddings span 32 of the head's 64 dims" in str(exit_.value)
+
+
+def test_home_after_the_command_is_the_folder_home_before_it_names(tmp_path, capsys):
+    """The data-folder flag works on either side of the subcommand (tests/cli checks every one)."""
+    home, models = str(tmp_path / "home"), str(default_home() / "models")
+    assert main(["add", "--user", "alice", "--no-encode", "--home", home, "--models-home", models, DOG]) == 0
+    capsys.readouterr()
+    assert main(["--home", home, "--models-home", models, "search", "--user", "alice", "--json", "dog"]) == 0
+    assert [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()] == [DOG]

@@ -76,7 +76,7 @@ def test_forgetting_an_evicted_fact_and_deleting_a_user_return_the_bytes(open_ho
     r = m.chat("Who plays the cello?", user_id="tier-zero", k=2, max_tokens=2)
     assert r.fallbacks == 2 and m.kv_tiers()["readmissions"] == 0  # can never fit: not re-encoded
     m.delete(ids[0])
-    assert m.delete_all(user_id="tier-zero") == 1 and len(m.budget) == 0
+    assert m.delete_all(user_id="tier-zero") == 1 and len(m.keeper.budget) == 0
 
 
 def test_a_restart_with_a_smaller_quota_evicts_the_least_used_not_the_oldest(open_home):

@@ -1,6 +1,6 @@
 """`kvmem serve`: the HTTP server on the real engine, in-process, on the embedded defaults.
 
-    kvmem serve [--host 127.0.0.1] [--port 8000] [--data-dir DIR] [--model M] [--config FILE.toml]
+    kvmem serve [--host 127.0.0.1] [--port 8000] [--home DIR] [--model M] [--config FILE.toml]
 
 `kvmem gateway`: the same server with no engine inside: it sends prompts to `kvmem replica`
 processes over HTTP, and keeps facts in PostgreSQL and blobs in a shared Redis tier, so several
@@ -18,56 +18,57 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
+from collections.abc import Mapping
 
-from kvmem.server.settings import SettingsError, load
+from kvmem.config import Config, ConfigError
+from kvmem.config_overlay import add_common_options
+from kvmem.server.settings import ServerSettings, SettingsError, load
 
 log = logging.getLogger("kvmem.server")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvmem serve", description=__doc__, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser, *, gateway: bool) -> None:
+    """The server's own flags, on `python -m kvmem.server`'s parser and on `kvmem serve`'s and
+    `kvmem gateway`'s (the common --home, --model, --config, ... are added beside them)."""
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
-    p.add_argument("--data-dir", type=Path, help="facts and KV blobs (default: $KVMEM_HOME or ~/.cache/kvmem)")
-    p.add_argument("--model", help="a bundled model (smollm2-135m, gemma3-270m), a local HF model folder or "
-                                   "hub id (default: the bundled SmolLM2-135M)")
-    p.add_argument("--models-home", type=Path, help="where converted models are kept (default: ~/.cache/kvmem/models)")
-    p.add_argument("--config", type=Path, help="a TOML file: [server], [tenants] (API keys), [engine], [memory], ...")
     p.add_argument("--max-inflight", type=int, help="chat requests answered at once; more get 429 (default 64)")
     p.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     p.add_argument("--served-model-name", help="the model id clients use (the alias 'kvmem' always works too)")
     p.add_argument("--allow-public-without-keys", action="store_true", default=None,
                    help="bind a non-loopback address with no API keys configured (anyone can read any memory)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO, vLLM included")
+    if gateway:
+        p.add_argument("--replicas", help="comma-separated base URLs of `kvmem replica` processes (KVMEM_ENGINE_URL)")
+        p.add_argument("--database-url", help="PostgreSQL URL for facts, history and vectors (KVMEM_DATABASE_URL); "
+                                              "without it, SQLite in --home (one gateway only)")
+        p.add_argument("--kv-shared-url", help="Redis URL of the shared KV tier (KVMEM_KV_SHARED_URL); without it, "
+                                               "the replicas and this gateway must share one KV folder")
+
+
+def build_parser(*, gateway: bool = False) -> argparse.ArgumentParser:
+    """The parser of `python -m kvmem.server` (serve_main), standing alone."""
+    p = argparse.ArgumentParser(prog="kvmem gateway" if gateway else "kvmem serve", description=__doc__,
+                                allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_options(p, suppress=False, data_dir_alias=True)
+    add_arguments(p, gateway=gateway)
     return p
 
 
 def build_gateway_parser() -> argparse.ArgumentParser:
-    p = build_parser()
-    p.prog = "kvmem gateway"
-    p.add_argument("--replicas", help="comma-separated base URLs of `kvmem replica` processes (KVMEM_ENGINE_URL)")
-    p.add_argument("--database-url", help="PostgreSQL URL for facts, history and vectors (KVMEM_DATABASE_URL); "
-                                          "without it, SQLite in --data-dir (one gateway only)")
-    p.add_argument("--kv-shared-url", help="Redis URL of the shared KV tier (KVMEM_KV_SHARED_URL); without it, "
-                                           "the replicas and this gateway must share one KV folder")
-    return p
-
-
-_GATEWAY_FLAGS = ("replicas", "database_url", "kv_shared_url")
+    return build_parser(gateway=True)
 
 
 def serve_main(argv: list[str] | None = None, *, gateway: bool = False) -> int:
+    return run(build_parser(gateway=gateway).parse_args(argv), gateway=gateway)
+
+
+def run(args: argparse.Namespace, *, gateway: bool) -> int:
+    """Serve with parsed flags: from serve_main, or from `kvmem serve|gateway` (kvmem.cli)."""
     name = "kvmem gateway" if gateway else "kvmem serve"
-    args = (build_gateway_parser() if gateway else build_parser()).parse_args(argv)
     _logging(args.verbose)
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "verbose", *_GATEWAY_FLAGS)}
     try:
-        settings, config = load(args.config, os.environ, flags)
-        if gateway:
-            config = _gateway_config(config, args)
-    except SettingsError as e:
+        settings, config = settings_of(args, os.environ, gateway=gateway)
+    except ConfigError as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2
     if not settings.api_keys:
@@ -82,15 +83,14 @@ def serve_main(argv: list[str] | None = None, *, gateway: bool = False) -> int:
     return _run(settings, config)
 
 
-def _gateway_config(config, args):
-    """Flags over the environment; a gateway without a replica to send to is refused."""
-    from dataclasses import replace
-
-    engine = replace(config.engine, url=args.replicas or config.engine.url)
-    if not engine.url:
+def settings_of(args: argparse.Namespace, env: Mapping[str, str], *,
+                gateway: bool) -> tuple[ServerSettings, Config]:
+    """The settings and Config these flags give, through the one overlay (settings.load); a
+    gateway without a replica to send to is refused."""
+    settings, config = load(getattr(args, "config_file", None), env, vars(args))
+    if gateway and not config.engine.url:
         raise SettingsError("a gateway needs replicas: --replicas URL[,URL...] or KVMEM_ENGINE_URL")
-    kv = replace(config.kv, shared_url=args.kv_shared_url or config.kv.shared_url)
-    return replace(config, engine=engine, kv=kv, database_url=args.database_url or config.database_url)
+    return settings, config
 
 
 def _run(settings, config) -> int:

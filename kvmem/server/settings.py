@@ -1,16 +1,19 @@
-"""Server settings: flags win over the --config TOML file, which wins over KVMEM_* variables.
+"""Server settings and kvmem's Config for `kvmem serve` / `kvmem gateway`, through the one overlay
+every command uses (kvmem/config_overlay.py): defaults < the --config TOML file < KVMEM_*
+variables < flags, for the server's own settings as for kvmem's.
 
 The config file is TOML:
 
+    home = "/srv/kvmem"      # top level: home, models_home, kv_root, database_url
     [server]                 # any ServerSettings field
     max_inflight = 64
     [tenants]                # tenant = "key", or a list of keys; every key belongs to one tenant
     acme = ["sk-acme-1", "sk-acme-2"]
-    [engine]                 # kvmem.config.EngineConfig fields; [kv], [prompt], [memory] likewise
+    [engine]                 # kvmem.config.EngineConfig fields; [kv], [prompt], [memory], [retrieval] likewise
     max_model_len = 4096
 
-Environment: KVMEM_API_KEYS="tenant=key,tenant=key", KVMEM_SERVER_MAX_INFLIGHT,
-KVMEM_SERVER_MAX_BODY_BYTES, and kvmem's own KVMEM_* engine variables.
+Environment: KVMEM_API_KEYS="tenant=key,tenant=key" (added to [tenants], not instead of them),
+KVMEM_SERVER_MAX_INFLIGHT, KVMEM_SERVER_MAX_BODY_BYTES, and kvmem's own KVMEM_* variables.
 """
 
 from __future__ import annotations
@@ -18,23 +21,22 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
-import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvmem.config import Config, default_home
-from kvmem.errors import KvmemError
+from kvmem.config import Config, ConfigError
+from kvmem.config_overlay import ConfigFile, Resolved, resolve
 
 SEP = "::"  # tenant/user separator inside the user ids kvmem stores
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ENV_INTS = {"max_inflight": "KVMEM_SERVER_MAX_INFLIGHT", "max_body_bytes": "KVMEM_SERVER_MAX_BODY_BYTES"}
-_SECTIONS = ("engine", "kv", "prompt", "memory")
 
 
-class SettingsError(KvmemError):
-    """A bad flag, config file or environment variable."""
+class SettingsError(ConfigError):
+    """A bad flag, config file or environment variable of the server (a ConfigError, as the
+    overlay raises for kvmem's own settings; load() raises this one for both)."""
 
 
 @dataclass(frozen=True)
@@ -73,31 +75,27 @@ def is_loopback(host: str) -> bool:
 
 
 def load(path: Path | None, env: Mapping[str, str], flags: Mapping[str, Any]) -> tuple[ServerSettings, Config]:
-    """flags: ServerSettings fields plus data_dir, model, models_home; None means not given."""
-    data = _read_toml(path) if path else {}
-    unknown = set(data) - {"server", "tenants", *_SECTIONS}
-    if unknown:
-        raise SettingsError(f"{path}: unknown sections {sorted(unknown)}")
-    server = {name: _int(var, env[var]) for name, var in _ENV_INTS.items() if env.get(var)}
-    server.update(data.get("server", {}))
-    server.update({k: v for k, v in flags.items() if v is not None and k not in ("data_dir", "model", "models_home")})
-    server["api_keys"] = parse_keys(data.get("tenants", {}), env.get("KVMEM_API_KEYS", ""))
-    settings = _build(ServerSettings, server, "[server]")
-    return settings, _kvmem_config(data, server.pop("data_dir", None), flags)
+    """flags: ServerSettings fields plus the overlay's (home or data_dir, model, models_home, replicas,
+    ...: config_overlay.FLAGS); None means not given, other names are ignored."""
+    settings, resolved = load_resolved(path, env, flags)
+    return settings, resolved.config
 
 
-def _kvmem_config(data: dict, file_data_dir, flags: Mapping[str, Any]) -> Config:
-    config = Config.from_env()
-    for section in _SECTIONS:
-        if section in data:
-            config = replace(config, **{section: _build(type(getattr(config, section)), data[section], f"[{section}]",
-                                                       base=getattr(config, section))})
-    home = flags.get("data_dir") or file_data_dir
-    models_home = flags.get("models_home") or config.models_home or default_home() / "models"
-    config = replace(config, models_home=Path(models_home), home=Path(home) if home else config.home)
-    if flags.get("model"):
-        config = replace(config, engine=replace(config.engine, model=flags["model"]))
-    return config
+def load_resolved(path: Path | None, env: Mapping[str, str],
+                  flags: Mapping[str, Any]) -> tuple[ServerSettings, Resolved]:
+    """load(), with where each of kvmem's settings came from."""
+    try:
+        file = ConfigFile.read(path) if path else None
+        resolved = resolve(file=file, env=env, flags=flags)
+        server = dict(file.table("server")) if file else {}
+        tenants = file.table("tenants") if file else {}
+    except ConfigError as e:  # callers of load() catch SettingsError for every settings problem
+        raise SettingsError(str(e)) from None
+    server.update({name: _int(var, env[var]) for name, var in _ENV_INTS.items() if env.get(var)})
+    names = {f.name for f in dataclasses.fields(ServerSettings)}
+    server.update({k: v for k, v in flags.items() if v is not None and k in names})
+    server["api_keys"] = parse_keys(tenants, env.get("KVMEM_API_KEYS", ""))
+    return _build(ServerSettings, server, "[server]"), resolved
 
 
 def parse_keys(table: Mapping[str, Any], env_value: str) -> dict[str, str]:
@@ -119,27 +117,15 @@ def parse_keys(table: Mapping[str, Any], env_value: str) -> dict[str, str]:
     return keys
 
 
-def _build(cls, values: Mapping[str, Any], where: str, base=None):
-    if not isinstance(values, Mapping):
-        raise SettingsError(f"{where} must be a table")
+def _build(cls, values: Mapping[str, Any], where: str):
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(values) - names - ({"data_dir"} if cls is ServerSettings else set())
+    unknown = set(values) - names - {"data_dir"}  # [server] data_dir: the overlay reads it as home
     if unknown:
         raise SettingsError(f"{where}: unknown settings {sorted(unknown)}; known: {sorted(names)}")
-    given = {k: v for k, v in values.items() if k in names}
     try:
-        return replace(base, **given) if base is not None else cls(**given)
+        return cls(**{k: v for k, v in values.items() if k in names})
     except TypeError as e:
         raise SettingsError(f"{where}: {e}") from None
-
-
-def _read_toml(path: Path) -> dict:
-    try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise SettingsError(f"cannot read --config {path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SettingsError(f"--config {path} is not valid TOML: {e}") from None
 
 
 def _int(name: str, raw: str) -> int:

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvmem.argtypes import non_negative_int
 from kvmem.bench import locomo
-from kvmem.cli import _non_negative_int
 from kvmem.reader.lora import TARGETS
 from kvmem.tune.train import TUNE_CONVERSATIONS
 
@@ -63,7 +63,7 @@ def add_parser(sub) -> None:
                         "training takes each question once per memory, and each memory is measured on its own "
                         "(default: observations,both, as the shipped map was trained)")
     p.add_argument("--limit", type=int, default=0, help="training questions per conversation; 0 for all (default)")
-    p.add_argument("--turn-questions", type=_non_negative_int, default=0, metavar="N",
+    p.add_argument("--turn-questions", type=non_negative_int, default=0, metavar="N",
                    help="also train on the conversations' own turns that end in '?', each as a user's message: "
                         "N per conversation drawn at random (more than a conversation has: all of them), 0 for none "
                         "(default: 0; all of them, 1 epoch, measured no better: docs/benchmarks.md)")
