@@ -91,9 +91,12 @@ class KVMem:
                                context=context, window=window, encode=encode, timestamp=timestamp, origin=origin)
 
     def encode_pending(self, timeout: float = 600.0) -> bool:
-        """Block until the background encoder has nothing left to do."""
+        """Block until the background encoder has nothing left to do (started now if this KVMem
+        was opened with background=False)."""
         self.chats.need_engine()
-        return self.keeper.need_encoder().wait_idle(timeout)
+        encoder = self.keeper.need_encoder()
+        encoder.start()
+        return encoder.wait_idle(timeout)
 
     def update(self, fact_id: str, text: str, metadata: dict | None = None) -> FactRecord:
         """New text: re-embedded, re-indexed and re-encoded (the old KV is dropped at once)."""

@@ -159,7 +159,7 @@ class KvmemProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = self.home / f"{name}.log"
         if args[0] in ("gateway", "serve"):  # the server parses its own flags
-            cmd = [args[0], "--data-dir", str(home), "--models-home", str(models_home), *args[1:]]
+            cmd = [args[0], "--home", str(home), "--models-home", str(models_home), *args[1:]]
         else:
             cmd = ["--home", str(home), "--models-home", str(models_home), *args]
         with self.log.open("ab") as out:

@@ -11,15 +11,17 @@ import argparse
 from pathlib import Path
 
 from kvmem.bench import eval_locomo, eval_report, load, locomo, ttft
-from kvmem.config import Config, default_home
+from kvmem.config import Config
+from kvmem.config_overlay import add_common_options, from_args
 
 OUT = Path("docs/results")
+SUITE_HOME = Path("/tmp/kvmem-bench-suite")  # a data folder of its own, not the user's memory
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvmem.bench.suite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--home", type=Path, default=Path("/tmp/kvmem-bench-suite"), help="data folder for the run")
+    add_common_options(ap, suppress=False)  # --home, --models-home, --model, --config, as every command
     ap.add_argument("--limit", type=int, default=40, help="LoCoMo questions per conversation (default: 40)")
     ap.add_argument("--windows", default="0,1,2,4", help="CWE windows to compare on turn memory")
     ap.add_argument("--window-conversations", default="conv-26,conv-30,conv-41",
@@ -27,11 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-limit", type=int, default=30, help="questions per conversation there (default: 30)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: eval,windows,ttft,load")
     args = ap.parse_args(argv)
+    args.home = args.home or SUITE_HOME
     skip = set(args.skip.split(","))
     from kvmem.service import KVMem
 
     OUT.mkdir(parents=True, exist_ok=True)
-    config = Config(home=args.home, models_home=default_home() / "models")
+    config = from_args(args).config
     with KVMem(config, background=False) as mem:
         if "eval" not in skip:
             _eval(mem, eval_locomo.EvalConfig(locomo.DEFAULT_PATH, k=10, limit=args.limit), config)

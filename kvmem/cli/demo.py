@@ -42,7 +42,7 @@ def cmd_demo(args: argparse.Namespace, config: Config) -> int:
         print(f"\nmodel {mem.model.path.name} ({mem.model.num_layers} layers, {mem.model.num_kv_heads} KV heads x "
               f"{mem.model.head_size}); KV {per_token:,} bytes/token; encoded {report.encoded} facts "
               f"({len(DEMO_CONVERSATION)} turns, window 2) in {report.seconds:.2f} s")
-        adapter = mem.engine.reader_adapter
+        adapter = mem.status().engine.reader_adapter
         print(f"KV mode reads with the reader adapter {adapter}" if adapter else "KV mode without a reader adapter")
         for mode in ("text", "kv"):  # warm-up, not timed: a fresh engine's first requests pay one-off costs
             mem.chat("Hello!", user_id=DEMO_USER, k=4, mode=mode, max_tokens=1)

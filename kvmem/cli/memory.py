@@ -75,12 +75,9 @@ def _add_summary(mem, result, no_encode: bool) -> str:
 
 def _encode_earlier_pending(mem) -> str:
     """Facts stored earlier with --no-encode get their KV now that an engine is up."""
-    from kvmem.facts.store import MAX_LIMIT
-
-    waiting = len(mem.facts.pending(limit=MAX_LIMIT, max_attempts=mem.encoder.max_attempts))
+    waiting = mem.status().encode_queue
     if not waiting:
         return ""
-    mem.encoder.start()
     mem.encode_pending()
     return f"; also encoded {waiting} facts left pending earlier"
 

@@ -1,4 +1,4 @@
-"""`python -m kvmem.server [--host --port --data-dir --model --config ...]`."""
+"""`python -m kvmem.server [--host --port --home --model --config ...]`."""
 
 import sys
 

@@ -42,7 +42,7 @@ class ServerProc:
         # serving with the adapter is tested in tests/reader/test_serving.py.
         env = {**os.environ, "KVMEM_SERVER_MAX_INFLIGHT": str(bound), "KVMEM_READER_ADAPTER": "off"}
         cmd = [sys.executable, "-m", "kvmem.server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--data-dir", str(data_dir), "--config", str(config)]
+               "--home", str(data_dir), "--config", str(config)]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
