@@ -1,4 +1,5 @@
-"""`kvmem bench ttft|load|cache|oracle|codecs|reader|ann` and `kvmem eval locomo`: argument parsing and report writing."""
+"""`kvmem bench ttft|load|cache|oracle|codecs|ann` and `kvmem eval locomo`: argument parsing and report writing.
+(`kvmem bench reader` is kvmem.tune's: it measures with the tuning lab.)"""
 
 from __future__ import annotations
 
@@ -15,20 +16,21 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def add_parsers(sub) -> None:
+def add_parsers(sub) -> argparse._SubParsersAction:
+    """`kvmem bench ...` and `kvmem eval ...`; -> the bench table, for benches declared elsewhere."""
     p = sub.add_parser("bench", help="measure TTFT and throughput, KV injection vs text prefill")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     t = bench.add_parser("ttft", help="TTFT vs number of injected facts k")
     t.add_argument("--ks", type=_ints, default=(0, 5, 10, 25, 50, 100), help="comma-separated k values")
     t.add_argument("--reps", type=int, default=7, help="repetitions per k and mode (default: 7)")
-    _common(t, "ttft")
+    data_options(t, "ttft")
     t.set_defaults(func=cmd_ttft)
     ld = bench.add_parser("load", help="throughput with concurrent users, k facts each")
     ld.add_argument("--users", type=_ints, default=(1, 4, 16, 32), help="comma-separated concurrency levels")
     ld.add_argument("-k", type=int, default=50)
     ld.add_argument("--requests", type=int, default=4, help="requests per user per level and mode (default: 4)")
     ld.add_argument("--max-tokens", type=int, default=16)
-    _common(ld, "load")
+    data_options(ld, "load")
     ld.set_defaults(func=cmd_load)
     ca = bench.add_parser("cache", help="TTFT and disk hit rate under disk budgets, Zipf workload over many users")
     ca.add_argument("--users", type=int, default=40)
@@ -39,7 +41,7 @@ def add_parsers(sub) -> None:
                     help="disk budgets as shares of the working set, after the unlimited run (default: 0.5,0.2,0.1)")
     ca.add_argument("--warmup", type=int, default=100, help="untimed requests per budget (default: 100)")
     ca.add_argument("--timed", type=int, default=200, help="timed requests per budget (default: 200)")
-    _common(ca, "cache")
+    data_options(ca, "cache")
     ca.set_defaults(func=cmd_cache)
     g = bench.add_parser("gateway", help="kvmem serve vs a gateway in front of 1 and 2 replicas (real processes, "
                                          "PostgreSQL and Redis on loopback)")
@@ -51,7 +53,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--workdir", type=Path, default=None, help="where the processes keep their data (default: a "
                                                               "fresh temporary folder)")
-    _common(g, "gateway")
+    data_options(g, "gateway")
     g.set_defaults(func=cmd_gateway)
     o = bench.add_parser("oracle", help="injected KV vs text prefill of the same prompt (k=1 exact, k=10 approx.)")
     o.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
@@ -60,16 +62,8 @@ def add_parsers(sub) -> None:
     cd.add_argument("--prompts", type=int, default=60, help="k=10 prompts per codec (default: 60)")
     cd.add_argument("--codecs", type=_codec_list, default=None,
                     help="comma-separated codecs to compare (default: all; none is always run first)")
-    _common(cd, "codecs")
+    data_options(cd, "codecs")
     cd.set_defaults(func=cmd_codecs)
-    rd = bench.add_parser("reader", help="where KV mode's answers part from text prefill: positions, header, "
-                                         "cross-fact attention (PyTorch, no engine)")
-    rd.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x),
-                    default=("conv-26", "conv-30", "conv-41"), help="comma-separated sample ids (default: the tuning ones)")
-    rd.add_argument("--limit", type=int, default=15, help="questions per conversation (default: 15)")
-    rd.add_argument("-k", type=int, default=10)
-    _common(rd, "reader")
-    rd.set_defaults(func=cmd_reader)
     a = bench.add_parser("ann", help="graph index vs faiss HNSW / IVF-RaBitQ, hnswlib, exact scan "
                                      "(clustered data or LoCoMo embeddings)")
     a.add_argument("--data", choices=("clustered", "locomo"), default="clustered",
@@ -115,7 +109,7 @@ def add_parsers(sub) -> None:
     lc.add_argument("--text-facts", type=non_negative_int, default=None,
                     help="KV mode prefills its last N facts as text (default: the configured kv.text_facts, "
                          "KVMEM_KV_TEXT_FACTS, 0)")
-    _common(lc, "locomo")
+    data_options(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
     rt = ev.add_parser("retrieval", help="LoCoMo evidence recall@5/10/20 per category: dense, lexical, hybrid")
     rt.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
@@ -132,11 +126,12 @@ def add_parsers(sub) -> None:
                          "after (default: 0; 1 is the turn it restates)")
     rt.add_argument("--observation-origin", action="store_true",
                     help="observations: the turn each restates is its origin (searched with it, not encoded)")
-    _common(rt, "retrieval")
+    data_options(rt, "retrieval")
     rt.set_defaults(func=cmd_retrieval)
+    return bench
 
 
-def _common(p, name: str) -> None:
+def data_options(p, name: str) -> None:
     p.add_argument("--data", type=Path, default=locomo.DEFAULT_PATH, help="LoCoMo JSON (read by path, never copied)")
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     p.add_argument("--seed", type=int, default=0)
@@ -218,30 +213,6 @@ def cmd_codecs(args, config) -> int:
     with _open(config, reader=False) as mem:
         result = codecs.run(mem, data=args.data, prompts=args.prompts, seed=args.seed, codecs=args.codecs)
     print(codecs.report(result, (args.out or RESULTS) / "codecs"))
-    return 0
-
-
-def cmd_reader(args, config) -> int:
-    import json
-
-    from kvmem.tune.examples import locomo_examples
-    from kvmem.tune.measure import LAYOUTS, diagnose
-    from kvmem.tune.train import eos_ids, load_model
-    from kvmem.service import KVMem
-
-    with KVMem(config, start_engine=False, background=False) as mem:
-        examples = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k,
-                                                    limit=args.limit or None, seed=args.seed)]
-        path, eos = mem.model.path, eos_ids(mem.prompts.tokenizer)
-    result = {"bench": "reader", "conversations": list(args.conversations), "limit_per_conversation": args.limit,
-              "k": args.k, "examples": len(examples), "reply_tokens": 16,
-              "layouts": diagnose(load_model(path), examples, eos, LAYOUTS)}
-    out = (args.out or RESULTS) / "reader-diagnosis.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    for name, row in result["layouts"].items():
-        print(f"{name:42s} " + "  ".join(f"{key} {value:.4f}" for key, value in row.items()))
-    print(f"results: {out}")
     return 0
 
 

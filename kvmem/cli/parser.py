@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_parsers(sub)
     demo.add_parser(sub)
     serve.add_parsers(sub)
-    bench_cli.add_parsers(sub)
+    reader_cli.add_bench_parser(bench_cli.add_parsers(sub))
     reader_cli.add_parser(sub)
     config_cmd.add_parsers(sub)
     for path, leaf in leaf_commands(parser):

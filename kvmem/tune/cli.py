@@ -12,6 +12,8 @@ from pathlib import Path
 
 from kvmem.argtypes import non_negative_int
 from kvmem.bench import locomo
+from kvmem.bench.cli import RESULTS as BENCH_RESULTS
+from kvmem.bench.cli import data_options
 from kvmem.reader.lora import TARGETS
 from kvmem.tune.train import TUNE_CONVERSATIONS
 
@@ -160,4 +162,40 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print(f"results: {path}")
+    return 0
+
+
+def add_bench_parser(bench) -> None:
+    """`kvmem bench reader` (in the bench table, made here: it measures with the tuning lab)."""
+    rd = bench.add_parser("reader", help="where KV mode's answers part from text prefill: positions, header, "
+                                         "cross-fact attention (PyTorch, no engine)")
+    rd.add_argument("--conversations", type=_ids, default=TUNE_CONVERSATIONS,
+                    help="comma-separated sample ids (default: the tuning ones)")
+    rd.add_argument("--limit", type=int, default=15, help="questions per conversation (default: 15)")
+    rd.add_argument("-k", type=int, default=10)
+    data_options(rd, "reader")
+    rd.set_defaults(func=cmd_reader)
+
+
+def cmd_reader(args, config) -> int:
+    import json
+
+    from kvmem.tune.examples import locomo_examples
+    from kvmem.tune.measure import LAYOUTS, diagnose
+    from kvmem.tune.train import eos_ids, load_model
+    from kvmem.service import KVMem
+
+    with KVMem(config, start_engine=False, background=False) as mem:
+        examples = [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k,
+                                                    limit=args.limit or None, seed=args.seed)]
+        path, eos = mem.model.path, eos_ids(mem.prompts.tokenizer)
+    result = {"bench": "reader", "conversations": list(args.conversations), "limit_per_conversation": args.limit,
+              "k": args.k, "examples": len(examples), "reply_tokens": 16,
+              "layouts": diagnose(load_model(path), examples, eos, LAYOUTS)}
+    out = (args.out or BENCH_RESULTS) / "reader-diagnosis.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    for name, row in result["layouts"].items():
+        print(f"{name:42s} " + "  ".join(f"{key} {value:.4f}" for key, value in row.items()))
+    print(f"results: {out}")
     return 0
