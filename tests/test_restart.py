@@ -22,7 +22,7 @@ PROBE = textwrap.dedent("""
     mem = KVMem(config, start_engine=False)  # a fresh process: no engine needed to search
     out = {"search": {q: [[h.id, round(h.score, 6)] for h in mem.search(q, user_id="restart", k=3)] for q in json.loads(sys.argv[3])},
            "facts": sorted(f.id for f in mem.get_all(user_id="restart")),
-           "vectors": mem.index.count("restart"),
+           "vectors": mem.retrieval.dense.count("restart"),
            "blobs": sorted(f.id for f in mem.get_all(user_id="restart") if mem.kv.exists(f.id))}
     print(json.dumps(out))
     mem.close()
@@ -38,6 +38,44 @@ def test_a_new_process_sees_facts_vectors_blobs_and_identical_search(mem):
     after = json.loads(run.stdout.strip().splitlines()[-1])
     assert after["search"] == before
     assert after["facts"] == sorted(ids) and after["vectors"] == len(FACTS) and after["blobs"] == sorted(ids)
+
+
+BESIDE = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from kvmem.config import Config
+    from kvmem.service import KVMem
+    with KVMem(Config(home=Path(sys.argv[1]), models_home=Path(sys.argv[2])), start_engine=False) as mem:
+        print(json.dumps(sorted(f.id for f in mem.get_all(user_id=sys.argv[3], limit=1000))))
+""")
+
+
+def beside(mem, user_id: str) -> list[str]:
+    """The ids a second process (a CLI next to the running service) lists for `user_id`."""
+    run = subprocess.run([sys.executable, "-c", BESIDE, str(mem.config.home), str(mem.config.models_dir), user_id],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_beside_the_running_service_leaves_its_facts_file_working(mem):
+    """Regression: a read of facts.sqlite in the serving process (tests/test_service.py once did
+    one) dropped SQLite's POSIX locks there; a second process then deleted the -wal and -shm files
+    on closing, and the service's next connection failed with "disk I/O error" (this file, run
+    after test_service.py). The store now holds a lock no such close can drop (facts/sqlite.py)."""
+    first = list(mem.add(facts=["I keep bees on the roof."], user_id="beside", encode="none").ids)
+    (mem.config.home / "facts.sqlite").read_bytes()  # opens and closes the file in this process
+    assert beside(mem, "beside") == first
+    more = list(mem.add(facts=[f"Hive {i} faces south." for i in range(50)], user_id="beside", encode="none").ids)
+    try:
+        reopened = KVMem(mem.config, engine=mem.engine, background=False)  # a second connection of this process
+        try:
+            assert sorted(f.id for f in reopened.get_all(user_id="beside", limit=1000)) == sorted(first + more)
+        finally:
+            reopened.close()
+        assert beside(mem, "beside") == sorted(first + more)
+    finally:
+        mem.delete_all(user_id="beside")  # leaves no unencoded facts to the session's other tests
 
 
 def test_a_lost_blob_is_served_as_text_then_re_encoded_in_the_background(mem):

@@ -15,12 +15,13 @@ _PG_SCHEMES = ("postgresql://", "postgres://")
 
 def open_fact_store(database_url: str | None, sqlite_path: Path | str) -> FactStore:
     """The PostgreSQL store at `database_url` when one is given (several processes may share it),
-    else the SQLite file at `sqlite_path` (one process)."""
+    else the SQLite file at `sqlite_path` (served by one process; a CLI may open it beside that one)."""
     if database_url is None:
         return FactStore(sqlite_path)
     if not isinstance(database_url, str) or not database_url.startswith(_PG_SCHEMES):
         raise InvalidInputError(
-            f"database url must start with postgresql:// or postgres://, got {_describe(database_url)}"
+            f"database url must start with postgresql:// or postgres://, got {_describe(database_url)}",
+            param="database_url",
         )
     from kvmem.facts.pg import PgFactStore  # psycopg is imported only by deployments that use it
 

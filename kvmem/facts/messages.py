@@ -14,6 +14,7 @@ from kvmem.errors import InvalidInputError
 from kvmem.facts.text import check_unicode
 
 ROLES = ("user", "assistant", "system")
+_PARAM = "messages"  # the field an error about a conversation names, whichever message is at fault
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def shown_time(timestamp: str) -> str:
 def turn_facts(messages: list[dict], window: int, fact_template: str) -> list[TurnFact]:
     check_messages(messages)
     if not isinstance(window, int) or window < 0:
-        raise InvalidInputError(f"window must be an integer >= 0, got {window!r}")
+        raise InvalidInputError(f"window must be an integer >= 0, got {window!r}", param="window")
     texts = [turn_text(m) for m in messages]
     facts = []
     for i, m in enumerate(messages):
@@ -63,19 +64,24 @@ def turn_facts(messages: list[dict], window: int, fact_template: str) -> list[Tu
 
 
 def check_messages(messages) -> None:
+    """A conversation as kvmem takes it; errors name param "messages" (the HTTP field), or
+    "timestamp" for a message's timestamp."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidInputError("messages must be a non-empty list of {'role', 'content'} dicts")
+        raise InvalidInputError("messages must be a non-empty list of {'role', 'content'} dicts", param=_PARAM)
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise InvalidInputError(f"message {i} must be a dict, got {type(m).__name__}")
+            raise InvalidInputError(f"message {i} must be a dict, got {type(m).__name__}", param=_PARAM)
         if m.get("role") not in ROLES:
-            raise InvalidInputError(f"message {i}: role must be one of {ROLES}, got {m.get('role')!r}")
+            raise InvalidInputError(f"message {i}: role must be one of {ROLES}, got {m.get('role')!r}", param=_PARAM)
         if not isinstance(m.get("content"), str):
-            raise InvalidInputError(f"message {i}: content must be a string, got {type(m.get('content')).__name__}")
-        check_unicode(f"message {i} content", m["content"])
+            raise InvalidInputError(f"message {i}: content must be a string, got {type(m.get('content')).__name__}",
+                                    param=_PARAM)
+        check_unicode(f"message {i} content", m["content"], param=_PARAM)
         for field in ("name", "timestamp"):
             value = m.get(field)
+            param = "timestamp" if field == "timestamp" else _PARAM  # what the HTTP API has always named
             if value is not None and not isinstance(value, str):
-                raise InvalidInputError(f"message {i}: {field} must be a string, got {type(value).__name__}")
+                raise InvalidInputError(f"message {i}: {field} must be a string, got {type(value).__name__}",
+                                        param=param)
             if value is not None:
-                check_unicode(f"message {i} {field}", value)
+                check_unicode(f"message {i} {field}", value, param=param)

@@ -1,7 +1,7 @@
-"""The fact store on PostgreSQL, for deployments where several gateway processes share one database.
+"""The PostgreSQL dialect, for deployments where several gateway processes share one database.
 
-`PgFactStore` is `FactStore` (same API, validation, errors; the same SQL helpers, run through a
-psycopg adapter that speaks their `?`/`:name` placeholders). What differs, and why:
+`PgFactStore` is `FactStore` (same API, validation, errors and SQL, run through a psycopg adapter
+that speaks its `?`/`:name` placeholders) on `PgDialect`. What differs from SQLite, and why:
 
 * Writes are serialized across processes. Every write transaction takes a transaction-level
   advisory lock (`pg_advisory_xact_lock(LOCK_KEY)`) right after BEGIN, as SQLite's BEGIN
@@ -15,8 +15,9 @@ psycopg adapter that speaks their `?`/`:name` placeholders). What differs, and w
   rolled-back transaction. KV-status and usage bookkeeping do not notify. `subscribe` listens.
 * Listings order by `(created_at, rowid)`, as on SQLite; PostgreSQL has no rowid, so the facts
   table has an identity column named `rowid`. Writes being serialized, it grows in commit order.
-* Times are DOUBLE PRECISION (REAL is float4 here), vectors BYTEA, counters BIGINT (SQLite's
-  INTEGER is 64-bit). The schema version lives in table `kvmem_meta`; a newer one is refused.
+* The schema's types (schema.POSTGRES): times are DOUBLE PRECISION (REAL is float4 here),
+  vectors BYTEA, counters BIGINT (SQLite's INTEGER is 64-bit). The schema version lives in
+  table `kvmem_meta`; a newer one is refused.
 * A dropped connection (server restart, pg_terminate_backend) is re-opened on the next call.
   A call that starts on a dead connection is retried once on a fresh one when nothing of it can
   have applied (a read, or the BEGIN of a write); a write whose connection dies mid-transaction
@@ -41,7 +42,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -51,7 +52,10 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
 from kvmem.errors import InvalidInputError, KvmemError
-from kvmem.facts.store import SCHEMA_VERSION, FactStore
+from kvmem.facts import schema
+from kvmem.facts.dialect import Connection
+from kvmem.facts.records import SCHEMA_VERSION
+from kvmem.facts.store import FactStore
 
 log = logging.getLogger(__name__)
 
@@ -61,51 +65,7 @@ _CONNECT_TIMEOUT_S = 10
 _MAX_PAYLOAD = 8000  # bytes: PostgreSQL refuses a longer notification
 _POLL_S = 0.25  # how often a listener looks at its stop flag
 _BACKOFF_S = (0.1, 5.0)  # a listener's reconnect delay: first, longest
-
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS facts (
-        rowid BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
-        id TEXT PRIMARY KEY,
-        scope_key TEXT NOT NULL,
-        user_id TEXT NOT NULL,
-        agent_id TEXT,
-        run_id TEXT,
-        text TEXT NOT NULL,
-        metadata TEXT NOT NULL,
-        created_at DOUBLE PRECISION NOT NULL,
-        updated_at DOUBLE PRECISION NOT NULL,
-        source TEXT NOT NULL CHECK (source IN ('fact', 'messages')),
-        event_time TEXT,
-        context TEXT NOT NULL,
-        position BIGINT,
-        conversation_id TEXT,
-        content_hash TEXT NOT NULL,
-        kv_status TEXT NOT NULL CHECK (kv_status IN ('pending', 'encoded', 'failed', 'evicted')),
-        kv_attempts BIGINT NOT NULL,
-        embedding BYTEA,
-        embedding_dim BIGINT,
-        origin TEXT NOT NULL DEFAULT ''
-    )""",
-    "ALTER TABLE facts ADD COLUMN IF NOT EXISTS origin TEXT NOT NULL DEFAULT ''",  # schema 2 -> 3
-    "CREATE UNIQUE INDEX IF NOT EXISTS facts_scope_hash ON facts (scope_key, content_hash)",
-    "CREATE INDEX IF NOT EXISTS facts_order ON facts (created_at, rowid)",
-    "CREATE INDEX IF NOT EXISTS facts_user_order ON facts (user_id, created_at, rowid)",
-    "CREATE INDEX IF NOT EXISTS facts_kv ON facts (kv_status, kv_attempts, created_at, rowid)",
-    """CREATE TABLE IF NOT EXISTS history (
-        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-        fact_id TEXT NOT NULL,
-        event TEXT NOT NULL CHECK (event IN ('ADD', 'UPDATE', 'DELETE')),
-        old_text TEXT,
-        new_text TEXT,
-        at DOUBLE PRECISION NOT NULL,
-        scope_key TEXT NOT NULL,
-        user_id TEXT NOT NULL,
-        agent_id TEXT,
-        run_id TEXT
-    )""",
-    "CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id, id)",
-    "CREATE TABLE IF NOT EXISTS kv_usage (fact_id TEXT PRIMARY KEY, hits BIGINT NOT NULL)",
-)
+_MIGRATIONS = ("ALTER TABLE facts ADD COLUMN IF NOT EXISTS origin TEXT NOT NULL DEFAULT ''",)  # schema 2 -> 3
 
 
 class PgFactStore(FactStore):
@@ -113,79 +73,78 @@ class PgFactStore(FactStore):
 
     def __init__(self, url: str) -> None:
         if not isinstance(url, str) or not url:
-            raise InvalidInputError(f"database url must be a non-empty string, got {url!r}")
+            raise InvalidInputError(f"database url must be a non-empty string, got {url!r}", param="database_url")
         self.url = url
-        self._lock = threading.Lock()
+        self._attach(PgDialect(url))
+
+
+class PgDialect:
+    """What FactStore needs of PostgreSQL (see the module docstring), on one connection."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.where = _redacted(url)
         self._listeners: list[_Listener] = []
-        self._conn: _PgConnection | None = _PgConnection(url)
+
+    def connect(self) -> Connection:
+        conn = _PgConnection(self.url)
         try:
-            self._create_schema()
+            self._create_schema(conn)
         except BaseException:
-            self._conn.close()
+            conn.close()
             raise
+        return conn
 
-    def close(self) -> None:
-        for listener in list(self._listeners):
-            listener.stop()
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-    def subscribe(self, callback: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
-        """Call `callback(change)` from a background thread for every committed change, in commit
-        order, from every process writing this database, this one's own writes included:
-        {"op": "add" | "update" | "delete", "id": fact_id, "user_id": ...} or {"op": "reset"}
-        ({"op": "resync"} instead where a user id is too long for a notification, ~8000 bytes).
-
-        Changes committed after this returns are delivered. When the listening connection is
-        lost, it is re-opened (with backoff) and then {"op": "resync"} is delivered: changes may
-        have been missed meanwhile, so the subscriber should reload what it caches. A callback
-        that raises is logged and the feed goes on. Returns a function that stops the feed;
-        `close()` stops them all.
-        """
-        with self._lock:
-            self._open()
-        listener = _Listener(self.url, callback, self._listeners)
-        listener.start()
-        return listener.stop
-
-    # -- FactStore's hooks -----------------------------------------------------------------
-
-    def _open(self) -> _PgConnection:
-        if self._conn is None:
-            raise KvmemError(f"the fact store at {_redacted(self.url)} is closed")
-        return self._conn
-
-    def _begin(self, conn: _PgConnection) -> None:  # type: ignore[override]
+    def begin(self, conn: Connection) -> None:
         conn.execute("BEGIN")
         conn.execute("SELECT pg_advisory_xact_lock(?)", (LOCK_KEY,))
 
-    def _changed(self, conn: _PgConnection, op: str, fact: Any) -> None:  # type: ignore[override]
+    def changed(self, conn: Connection, op: str, fact: Mapping[str, Any] | None) -> None:
         change = {"op": op} if fact is None else {"op": op, "id": fact["id"], "user_id": fact["user_id"]}
         payload = json.dumps(change, ensure_ascii=False)
         if len(payload.encode("utf-8")) >= _MAX_PAYLOAD:
             payload = '{"op": "resync"}'  # a huge user id: subscribers reload rather than the write fail
         conn.execute("SELECT pg_notify(?, ?)", (CHANNEL, payload))
 
-    def _checkpoint(self) -> None:
+    def forgotten(self, conn: Connection) -> None:
         """Nothing to do: PostgreSQL has no per-store WAL file to truncate (see the module docstring)."""
 
-    def _create_schema(self) -> None:
-        # Under the write lock, so two processes starting at once do not race CREATE TABLE.
-        with self._tx() as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS kvmem_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            row = conn.execute("SELECT value FROM kvmem_meta WHERE key = 'schema_version'").fetchone()
-            version = 0 if row is None else int(row[0])
-            if version > SCHEMA_VERSION:
-                raise KvmemError(f"{_redacted(self.url)} was written by a newer kvmem "
-                                 f"(schema {version} > {SCHEMA_VERSION})")
-            if version == SCHEMA_VERSION:
-                return  # no DDL on every start: it locks the tables, and may need rights a gateway lacks
-            for statement in _SCHEMA:
-                conn.execute(statement)
-            conn.execute("INSERT INTO kvmem_meta (key, value) VALUES ('schema_version', ?) ON CONFLICT (key)"
-                          " DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
+    def subscribe(self, callback: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+        # Listening before this returns: no change committed after it slips by.
+        listener = _Listener(self.url, callback, self._listeners)
+        listener.start()
+        return listener.stop
+
+    def stop_feeds(self) -> None:
+        for listener in list(self._listeners):
+            listener.stop()
+
+    def close(self, conn: Connection) -> None:
+        conn.close()
+
+    def _create_schema(self, conn: Connection) -> None:
+        # Under the writers' lock, so two processes starting at once do not race CREATE TABLE.
+        self.begin(conn)
+        try:
+            self._migrate(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _migrate(self, conn: Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS kvmem_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        row = conn.execute("SELECT value FROM kvmem_meta WHERE key = 'schema_version'").fetchone()
+        version = 0 if row is None else int(row[0])
+        if version > SCHEMA_VERSION:
+            raise KvmemError(f"{self.where} was written by a newer kvmem (schema {version} > {SCHEMA_VERSION})")
+        if version == SCHEMA_VERSION:
+            return  # no DDL on every start: it locks the tables, and may need rights a gateway lacks
+        for statement in (*schema.statements(schema.POSTGRES), *_MIGRATIONS):
+            conn.execute(statement)
+        conn.execute("INSERT INTO kvmem_meta (key, value) VALUES ('schema_version', ?) ON CONFLICT (key)"
+                     " DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
 
 
 class _Row(dict):
@@ -223,8 +182,8 @@ def _translate(sql: str) -> str:
 
 
 class _PgConnection:
-    """The `Connection` FactStore's SQL helpers use, on one psycopg connection (used under the
-    store's lock). Autocommit, so reads need no transaction; writes send BEGIN/COMMIT themselves.
+    """The `Connection` (dialect.py) FactStore's SQL runs on, over one psycopg connection (used
+    under the store's lock). Autocommit, so reads need no transaction; writes send BEGIN/COMMIT themselves.
     Client-side binding (ClientCursor): parameters are quoted into the SQL text, so PostgreSQL
     never has to infer a parameter's type (it cannot in `SELECT ?, ? WHERE EXISTS ...`)."""
 
@@ -271,7 +230,8 @@ class _PgConnection:
         try:
             action(cursor)
         except psycopg.DataError as e:  # e.g. a NUL character, which PostgreSQL text cannot hold
-            raise InvalidInputError(f"PostgreSQL refused a value: {e}") from None
+            # param None: the driver does not say which of the statement's values it refused.
+            raise InvalidInputError(f"PostgreSQL refused a value: {e}", param=None) from None
         return cursor  # its rows are already on the client: fetching needs no connection
 
     def _live(self) -> psycopg.Connection:
@@ -292,7 +252,7 @@ def _connect(url: str) -> psycopg.Connection:
     except psycopg.OperationalError as e:
         raise KvmemError(f"cannot connect to PostgreSQL at {_redacted(url)}: {e}") from e
     except psycopg.ProgrammingError as e:  # a url libpq cannot parse
-        raise InvalidInputError(f"bad database url {_redacted(url)}: {e}") from None
+        raise InvalidInputError(f"bad database url {_redacted(url)}: {e}", param="database_url") from None
 
 
 def _lost(url: str, error: Exception) -> KvmemError:

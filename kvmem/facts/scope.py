@@ -19,7 +19,7 @@ def check_scope_field(name: str, value: object, *, required: bool) -> str | None
         return None
     if not isinstance(value, str) or not value.strip():
         need = "a non-empty string" if required else "None or a non-empty string"
-        raise InvalidInputError(f"{name} must be {need}, got {value!r}")
+        raise InvalidInputError(f"{name} must be {need}, got {value!r}", param=name)
     return check_unicode(name, value)
 
 

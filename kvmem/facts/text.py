@@ -16,28 +16,33 @@ from kvmem.errors import InvalidInputError
 _INVISIBLE = {"Cc", "Cf", "Cs", "Co", "Cn", "Zs", "Zl", "Zp"}
 
 
-def check_unicode(name: str, value: str) -> str:
-    """`value` if it encodes as UTF-8, else InvalidInputError naming `name` and the position."""
+def check_unicode(name: str, value: str, *, param: str | None = None) -> str:
+    """`value` if it encodes as UTF-8, else InvalidInputError naming `name` and the position.
+
+    The error's `param` is `param`, or `name` itself when that is the field's name (callers whose
+    `name` is a phrase, "message 2 content", pass the field: "messages")."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidInputError(f"{name} is not valid Unicode text: a lone surrogate "
-                                f"{value[e.start]!a} at character {e.start}") from None
+                                f"{value[e.start]!a} at character {e.start}", param=param or name) from None
     return value
 
 
-def check_nested(name: str, value: object) -> None:
-    """check_unicode over every string in a JSON-like value: dict keys and values, list items."""
+def check_nested(name: str, value: object, *, param: str | None = None) -> None:
+    """check_unicode over every string in a JSON-like value: dict keys and values, list items.
+    Errors name the field `param`, by default `name` (a bad key too: "metadata key ..." -> "metadata")."""
+    param = param or name
     if isinstance(value, str):
-        check_unicode(name, value)
+        check_unicode(name, value, param=param)
     elif isinstance(value, dict):
         for key, item in value.items():
             if isinstance(key, str):
-                check_unicode(f"{name} key", key)
-            check_nested(name, item)
+                check_unicode(f"{name} key", key, param=param)
+            check_nested(name, item, param=param)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            check_nested(name, item)
+            check_nested(name, item, param=param)
 
 
 def visible(text: str) -> bool:
@@ -45,13 +50,16 @@ def visible(text: str) -> bool:
     return any(unicodedata.category(c) not in _INVISIBLE for c in text)
 
 
-def check_fact_text(text: object, name: str = "fact") -> str:
-    """A fact's text: a string, valid Unicode, with at least one visible character."""
+def check_fact_text(text: object, name: str = "fact", *, param: str = "facts") -> str:
+    """A fact's text: a string, valid Unicode, with at least one visible character.
+
+    `param` is "facts" whatever the `name`: what the HTTP API has always named for a fact's text."""
     if not isinstance(text, str) or not text.strip():
-        raise InvalidInputError(f"{name} must be a non-empty string")
-    check_unicode(name, text)
+        raise InvalidInputError(f"{name} must be a non-empty string", param=param)
+    check_unicode(name, text, param=param)
     if not visible(text):
-        raise InvalidInputError(f"{name} has no visible characters (only controls, zero-width or spaces)")
+        raise InvalidInputError(f"{name} has no visible characters (only controls, zero-width or spaces)",
+                                param=param)
     return text
 
 
