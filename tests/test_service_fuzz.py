@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmem.errors import InvalidInputError, UnknownFactError
+from kvmem.keeper import all_records
 
 SCALE = float(os.environ.get("KVMEM_FUZZ_EXAMPLES", "1"))
 REFUSALS = (InvalidInputError, UnknownFactError)
@@ -63,7 +64,7 @@ def fuzz_mem(mem, tmp_path_factory):
 
 
 def snapshot(m) -> list[tuple]:
-    return [(r.id, r.text, r.metadata, r.kv_status) for r in m._all_records()]
+    return [(r.id, r.text, r.metadata, r.kv_status) for r in all_records(m.facts)]
 
 
 def refused_or_ok(m, call) -> None:
@@ -86,7 +87,7 @@ def resolve(m, choice) -> object:
     kind, value = choice
     if kind == "raw":
         return value
-    known = [r.id for r in m._all_records()]
+    known = [r.id for r in all_records(m.facts)]
     return known[value % len(known)] if known else "f-none"
 
 

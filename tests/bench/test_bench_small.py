@@ -43,7 +43,9 @@ def test_ttft_bench_tiny(mem, tmp_path, locomo_path):
 def test_ttft_bench_times_kv_with_its_last_facts_as_text_beside_all_injected(mem, tmp_path, locomo_path, monkeypatch):
     from dataclasses import replace
 
-    monkeypatch.setattr(mem, "config", replace(mem.config, kv=replace(mem.config.kv, text_facts=1)))
+    config = replace(mem.config, kv=replace(mem.config.kv, text_facts=1))
+    monkeypatch.setattr(mem, "config", config)  # what the bench reads
+    monkeypatch.setattr(mem.chats, "config", config)  # what the chats are assembled with
     result = ttft.run(mem, data=locomo_path, ks=(5,), reps=2)
     text = ttft.report(result, tmp_path / "ttft")
     (row,) = result["rows"]

@@ -181,7 +181,7 @@ def test_kv_mode_prefills_its_last_facts_as_text_when_configured(mem, monkeypatc
         user = f"text-facts-{n}"
         ids = list(mem.add(facts=facts, user_id=user).ids)
         if n == 1:  # from the config
-            monkeypatch.setattr(mem, "config", replace(mem.config, kv=replace(mem.config.kv, text_facts=n)))
+            monkeypatch.setattr(mem.chats, "config", replace(mem.config, kv=replace(mem.config.kv, text_facts=n)))
             got[n] = mem.chat(q, user_id=user, fact_ids=ids, mode="kv", max_tokens=1, logprobs=20)
             monkeypatch.undo()
         else:
