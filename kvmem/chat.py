@@ -19,7 +19,8 @@ from kvmem.config import Config
 from kvmem.connector.plan import INJECT, Plan
 from kvmem.encoding import salt
 from kvmem.engine.prompt import PromptBuilder
-from kvmem.engine.protocol import Engine, EngineRequest, EngineResult
+from kvmem.engine.protocol import ChoiceDelta, Engine, EngineRequest, EngineResult
+from kvmem.engine.sampling import Sampling
 from kvmem.errors import EngineError, InvalidInputError
 from kvmem.facts.inputs import check_context, int_at_least
 from kvmem.facts.messages import check_messages
@@ -27,7 +28,7 @@ from kvmem.facts.scope import Scope
 from kvmem.facts.store import FactRecord
 from kvmem.facts.text import check_fact_text, check_unicode
 from kvmem.keeper import BlobKeeper
-from kvmem.results import ChatResult
+from kvmem.results import ChatResult, Choice
 from kvmem.retrieval import Retrieval
 
 MODES = ("kv", "text", "off")
@@ -48,6 +49,8 @@ class ChatArgs:
     max_tokens: int = 64
     logprobs: int | None = None
     text_facts: int | None = None  # the last facts KV mode prefills as text (None: kv.text_facts)
+    sampling: Sampling = Sampling()  # greedy unless asked otherwise
+
 
     def check(self) -> None:
         if self.mode not in MODES:
@@ -59,6 +62,9 @@ class ChatArgs:
         if self.text_facts is not None and not int_at_least(self.text_facts, 0):
             raise InvalidInputError(f"text_facts must be None or an int >= 0, got {self.text_facts!r}",
                                     param="text_facts")
+        if not isinstance(self.sampling, Sampling):
+            raise InvalidInputError(f"sampling must be a Sampling, got {type(self.sampling).__name__}",
+                                    param="sampling")
 
 
 @dataclass(frozen=True)
@@ -107,10 +113,11 @@ class Chats:
         (result,) = self.need_engine().run([request], cancel=cancel)
         return self.finish(result, p, args)
 
-    def stream(self, messages, args: ChatArgs, *, cancel: threading.Event | None = None) -> Iterator[str | ChatResult]:
+    def stream(self, messages, args: ChatArgs, *,
+               cancel: threading.Event | None = None) -> Iterator[str | ChoiceDelta | ChatResult]:
         p = self.prepare(messages, args)
         for item in self.need_engine().stream(p.request, cancel=cancel):
-            yield item if isinstance(item, str) else self.finish(item, p, args)
+            yield self.finish(item, p, args) if isinstance(item, EngineResult) else item
 
     def score(self, messages, answer: str, args: ChatArgs, *, reader: bool = True) -> list[float]:
         if not isinstance(answer, str) or not answer.strip():
@@ -128,6 +135,7 @@ class Chats:
 
     def prepare(self, messages, args: ChatArgs) -> Prepared:
         args.check()
+        self._check_token_ids(args.sampling)
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
         check_messages(messages)
         self._check_fits(messages)
@@ -149,8 +157,17 @@ class Chats:
                     map_from=len(self.prompts.head_ids)) if args.mode == "kv" else None
         # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
         request = EngineRequest(prompt.token_ids, salt(args.mode, args.user_id), args.max_tokens, plan,
-                                args.logprobs, reader=args.mode == "kv", route=args.user_id)
+                                args.logprobs, reader=args.mode == "kv", route=args.user_id, sampling=args.sampling)
         return Prepared(facts, request, retrieval_s)
+
+    def _check_token_ids(self, sampling: Sampling) -> None:
+        """Token ids the model's vocabulary has (vLLM would fail the request late, without a field)."""
+        vocab = len(self.prompts.tokenizer)
+        for param, ids in (("logit_bias", sampling.logit_bias), ("stop_token_ids", sampling.stop_token_ids)):
+            unknown = [t for t in ids if t >= vocab]
+            if unknown:
+                raise InvalidInputError(f"{param}: token ids {unknown[:5]} are not in the model's vocabulary "
+                                        f"({vocab} tokens)", param=param)
 
     def _check_fits(self, messages: list[dict]) -> None:
         """Refuse a conversation too long to fit before tokenizing it (megabytes take seconds)."""
@@ -197,6 +214,8 @@ class Chats:
             cached_tokens=r.cached_tokens - claimed, fallbacks=report.facts_as_text if report else 0,
             fallback_reasons=dict(report.fallbacks) if report else {}, retrieval_s=p.retrieval_s,
             token_ids=r.token_ids, first_logprobs=r.first_logprobs, reader_adapter=r.adapter,
+            choices=tuple(Choice(c.index, c.text.strip(), c.token_ids, c.finish_reason, c.logprobs)
+                          for c in r.choices),
         )
 
 

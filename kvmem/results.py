@@ -35,6 +35,26 @@ class AddResult:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token with its logprob and the most likely alternatives there (best first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the top-n at this step (KVMem.token_texts)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a chat's n answers (each read the same prompt: in KV mode, the same injected facts)."""
+
+    index: int
+    answer: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (end of text or a stop sequence/token) or "length" (max_tokens)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when asked for
+
+
+@dataclass(frozen=True)
 class ChatResult:
     answer: str
     mode: str
@@ -50,6 +70,11 @@ class ChatResult:
     token_ids: tuple[int, ...] = ()
     first_logprobs: dict[int, float] = field(default_factory=dict)
     reader_adapter: bool = False  # the engine read this chat with the reader adapter (KV mode only)
+    choices: tuple[Choice, ...] = ()  # every answer, the first being `answer`/`token_ids` above
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason if self.choices else "stop"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Iterator
 from kvmem.chat import MODES, ChatArgs, Chats  # noqa: F401 - MODES is part of the API
 from kvmem.config import Config
 from kvmem.encoding import Encoder
+from kvmem.engine.sampling import Sampling
 from kvmem.engine.start import start_engine as start_engine_for
 from kvmem.facts import open_fact_store
 from kvmem.facts.scope import Scope
@@ -73,8 +74,6 @@ class KVMem:
         """Chats per mode, fallbacks, tier hits and misses, evictions, since this KVMem opened."""
         return self.keeper.stats
 
-    # -- write path -----------------------------------------------------------------------------
-
     def add(self, messages: str | list[dict] | None = None, *, user_id: str, agent_id: str | None = None,
             run_id: str | None = None, facts: list[str] | None = None, metadata: dict | None = None,
             context: str = "", window: int | None = None, encode: str = "sync",
@@ -120,8 +119,6 @@ class KVMem:
         """Forget everything: every user's facts, vectors, history and blobs."""
         self.writes.reset()
 
-    # -- read path ------------------------------------------------------------------------------
-
     def get(self, fact_id: str) -> FactRecord:
         return self.facts.get(fact_id)
 
@@ -143,23 +140,26 @@ class KVMem:
     def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
              run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,
              mode: str = "kv", max_tokens: int = 64, logprobs: int | None = 20,
-             cancel: threading.Event | None = None, reader: bool = True,
-             text_facts: int | None = None) -> ChatResult:
+             cancel: threading.Event | None = None, reader: bool = True, text_facts: int | None = None,
+             sampling: Sampling | None = None) -> ChatResult:
         """Answer with the user's top-k facts for the last user message, in the order chat.py gives.
         `fact_ids`: exactly these facts (no retrieval). Thread-safe (the engine batches chats);
         `cancel` set from another thread aborts it (RequestCancelled). `reader=False`: KV mode
-        without the reader adapter. `text_facts`: the last facts prefilled as text in KV mode."""
-        args = ChatArgs(user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs, text_facts)
+        without the reader adapter. `text_facts`: the last facts prefilled as text in KV mode.
+        `sampling`: vLLM's sampling parameters, n choices, JSON output (engine/sampling.py; greedy)."""
+        args = ChatArgs(user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs, text_facts,
+                        sampling or Sampling())
         return self.chats.chat(messages, args, cancel=cancel, reader=reader)
 
     def chat_stream(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
                     run_id: str | None = None, k: int = 10, filters: dict | None = None,
                     fact_ids: list[str] | None = None, mode: str = "kv", max_tokens: int = 64,
                     logprobs: int | None = None, cancel: threading.Event | None = None,
-                    text_facts: int | None = None) -> Iterator[str | ChatResult]:
-        """Like chat, streaming: yields text deltas as they are generated, then the ChatResult.
-        Closing the generator early, or setting `cancel`, aborts the generation."""
-        args = ChatArgs(user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs, text_facts)
+                    text_facts: int | None = None, sampling: Sampling | None = None) -> Iterator:
+        """Like chat, streaming: yields text deltas (str; ChoiceDelta(index, text) when n > 1) as
+        they are generated, then the ChatResult. Closing it early, or `cancel`, aborts it."""
+        args = ChatArgs(user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs, text_facts,
+                        sampling or Sampling())
         return self.chats.stream(messages, args, cancel=cancel)
 
     def score(self, messages: str | list[dict], answer: str, *, user_id: str, fact_ids: list[str],
@@ -168,6 +168,10 @@ class KVMem:
         (read as `chat` reads them, `reader` included)."""
         args = ChatArgs(user_id, k=1, fact_ids=fact_ids, mode=mode, max_tokens=1)
         return self.chats.score(messages, answer, args, reader=reader)
+
+    def token_texts(self, token_ids) -> list[str]:
+        """Each token's text, decoded alone (the `token` of OpenAI's logprobs)."""
+        return [self.prompts.tokenizer.decode([t]) for t in token_ids]
 
     def kv_tiers(self) -> dict[str, int | None]:
         """The KV tiers at a glance (keeper.KVTiers): bytes and budgets, hits and misses,
@@ -179,8 +183,6 @@ class KVMem:
         return MemoryStatus(facts=self.facts.count(), encode_queue=self.keeper.queue_depth(),
                             kv_bytes=self.kv.total_bytes(), tiers=self.kv_tiers(),
                             engine=self.engine.status() if self.engine is not None else None)
-
-    # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
         self.retrieval.close()

@@ -27,14 +27,15 @@ from typing import Callable, Iterator
 
 from kvmem.config import Config
 from kvmem.connector.plan import ENCODE, InjectionReport
-from kvmem.engine.protocol import BLOB_WAIT_S, EngineRequest, EngineResult, EngineStatus
+from kvmem.engine.protocol import BLOB_WAIT_S, ChoiceDelta, Completion, EngineRequest, EngineResult, EngineStatus
 from kvmem.engine.replica import transfer_config
 from kvmem.connector.support import map_refused, take_refusal
-from kvmem.errors import EngineError, RequestCancelled, UnsupportedConfigError
+from kvmem.errors import EngineError, InvalidInputError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
 from kvmem.reader.lora import folder_targets, has_lora, lora_rank
+from kvmem.results import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,12 @@ CANCEL_POLL_S = 0.05  # how often a waiting caller looks at its cancel event
 class _Pending:
     request: EngineRequest
     future: Future
-    on_text: Callable[[str], None] | None
+    on_text: Callable[[int, str], None] | None  # (completion index, its text so far)
     submitted: float
     first_token: float | None = None
     blobs: dict[str, tuple | None] = field(default_factory=dict)  # encode: fact id -> file stamp before it
     finished: tuple | None = None  # (output, time) once vLLM finished it, while its blobs are awaited
+    outputs: dict = field(default_factory=dict)  # completion index -> its latest (cumulative) output
 
 
 class LocalEngine:
@@ -92,8 +94,9 @@ class LocalEngine:
     def tokenizer(self):
         return self._llm.get_tokenizer()
 
-    def submit(self, request: EngineRequest, on_text: Callable[[str], None] | None = None) -> Future:
-        """Queue one request; the future resolves to its EngineResult. on_text gets the text so far."""
+    def submit(self, request: EngineRequest, on_text: Callable[[int, str], None] | None = None) -> Future:
+        """Queue one request; the future resolves to its EngineResult. on_text gets a completion's
+        index and its text so far."""
         if self._stopping:
             raise EngineError("the engine is shut down")
         future: Future = Future()
@@ -134,33 +137,32 @@ class LocalEngine:
         for f in futures:
             f.cancel()
 
-    def stream(self, request: EngineRequest, cancel: threading.Event | None = None) -> Iterator[str | EngineResult]:
-        """Text deltas as they are generated, then the EngineResult.
+    def stream(self, request: EngineRequest,
+               cancel: threading.Event | None = None) -> Iterator[str | ChoiceDelta | EngineResult]:
+        """Text deltas as they are generated (str; ChoiceDelta when n > 1), then the EngineResult.
 
         Closing the generator early, or setting `cancel`, aborts the request in the engine.
         """
-        texts: queue.Queue[str] = queue.Queue()
-        future = self.submit(request, texts.put)
-        sent = ""
+        texts: queue.Queue[tuple[int, str]] = queue.Queue()
+        future = self.submit(request, lambda index, text: texts.put((index, text)))
+        sent: dict[int, str] = {}
         try:
             while True:
                 if cancel is not None and cancel.is_set():
                     raise RequestCancelled("the stream was cancelled before it finished")
                 try:
-                    text = texts.get(timeout=CANCEL_POLL_S)
+                    index, text = texts.get(timeout=CANCEL_POLL_S)
                 except queue.Empty:
                     if future.done():
                         break
                     continue
-                if len(text) > len(sent):
-                    yield text[len(sent):]
-                    sent = text
+                yield from _delta(request, index, text, sent)
         finally:
             if not future.done():
                 future.cancel()
         result = future.result()
-        if len(result.text) > len(sent):
-            yield result.text[len(sent):]
+        for c in result.choices:
+            yield from _delta(request, c.index, c.text, sent)
         yield result
 
     # -- the driver thread ----------------------------------------------------------------------
@@ -222,7 +224,7 @@ class LocalEngine:
                                          lora_request=self._lora if reading else None)
                 live[rid] = item
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
-                _fail(item.future, e)
+                _fail(item.future, _refused(item.request, e))
 
     def _step(self, live: dict[str, _Pending], awaiting: list[_Pending]) -> None:
         for out in self._engine.step():
@@ -230,10 +232,12 @@ class LocalEngine:
             if p is None:
                 continue
             now = time.perf_counter()
-            if p.first_token is None and out.outputs and out.outputs[0].token_ids:
-                p.first_token = now
-            if p.on_text is not None and out.outputs:
-                p.on_text(out.outputs[0].text)
+            for o in out.outputs:  # one child's completion per output when n > 1 (vLLM's parallel sampling)
+                p.outputs[o.index] = o
+                if p.first_token is None and o.token_ids:
+                    p.first_token = now
+                if p.on_text is not None:
+                    p.on_text(o.index, o.text)
             if out.finished:
                 del live[out.request_id]
                 p.finished = (out, now)
@@ -272,6 +276,27 @@ class LocalEngine:
         self._driver.join(timeout=60)
         self._engine.engine_core.shutdown()
         self._blobs.close()
+
+
+def _refused(request: EngineRequest, error: Exception) -> Exception:
+    """vLLM's refusal of the request itself (VLLMClientError, its 4xx), as the caller's bad input:
+    a schema its structured-output backend cannot compile is the caller's response_format."""
+    from vllm.exceptions import VLLMClientError
+
+    if not isinstance(error, (VLLMClientError, ValueError)):
+        return error
+    if request.sampling.structured:
+        return InvalidInputError(f"the JSON schema cannot be used: {error}", param="response_format")
+    return InvalidInputError(f"the engine refused the request: {error}", param=getattr(error, "parameter", None))
+
+
+def _delta(request: EngineRequest, index: int, text: str, sent: dict[int, str]) -> Iterator[str | ChoiceDelta]:
+    """The new part of completion `index`'s text (str when the request has one completion)."""
+    before = sent.get(index, "")
+    if len(text) > len(before):
+        sent[index] = text
+        new = text[len(before):]
+        yield new if request.sampling.n == 1 else ChoiceDelta(index, new)
 
 
 def _fail(future: Future, error: BaseException) -> None:
@@ -362,14 +387,17 @@ def _sampling(req: EngineRequest, reading: bool = False):
     # Scoring keeps the prefix cache (and so injection) on. Prompt positions served from cache get
     # no logprobs: vLLM fills them with placeholder ids that must not be detokenized.
     scoring = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False, "detokenize": False} if req.score_last else {}
-    return SamplingParams(max_tokens=req.max_tokens, temperature=0.0, logprobs=req.logprobs, extra_args=extra,
-                          output_kind=RequestOutputKind.CUMULATIVE, **scoring)
+    return SamplingParams(max_tokens=req.max_tokens, logprobs=req.logprobs, extra_args=extra,
+                          output_kind=RequestOutputKind.CUMULATIVE, **req.sampling.vllm_kwargs(), **scoring)
 
 
 def _result(out, p: _Pending, done: float) -> EngineResult:
-    completion = out.outputs[0]
+    outputs = [o for _, o in sorted({**p.outputs, **{o.index: o for o in out.outputs}}.items())]
+    choices = tuple(_completion(o, p.request.logprobs) for o in outputs)
+    completion = choices[0]
     injection = InjectionReport.from_params(out.kv_transfer_params)
-    logprobs = {tok: lp.logprob for tok, lp in completion.logprobs[0].items()} if completion.logprobs else {}
+    first = outputs[0].logprobs
+    logprobs = {tok: lp.logprob for tok, lp in first[0].items()} if first else {}
     return EngineResult(
         token_ids=tuple(completion.token_ids),
         text=completion.text,
@@ -381,7 +409,24 @@ def _result(out, p: _Pending, done: float) -> EngineResult:
         first_logprobs=logprobs,
         scored=_scored(out, p.request) if p.request.score_last else (),
         adapter=getattr(out, "lora_request", None) is not None or bool(injection and injection.kv_map),
+        choices=choices,
     )
+
+
+def _completion(o, top_n: int | None) -> Completion:
+    """vLLM's CompletionOutput -> ours. Each step's logprobs hold the top-n by rank (1-based) and
+    the sampled token, which may rank lower: the alternatives are the top-n only."""
+    logprobs = None
+    if o.logprobs is not None:
+        logprobs = tuple(TokenLogprob(tok, step[tok].logprob, _top(step, top_n or 0))
+                         for tok, step in zip(o.token_ids, o.logprobs))
+    reason = o.finish_reason if o.finish_reason in ("stop", "length") else "stop"
+    return Completion(o.index, o.text, tuple(o.token_ids), reason, logprobs)
+
+
+def _top(step: dict, n: int) -> tuple[tuple[int, float], ...]:
+    best = sorted(step.items(), key=lambda e: e[1].rank)
+    return tuple((t, lp.logprob) for t, lp in best if lp.rank <= n)[:n]
 
 
 def _scored(out, req: EngineRequest) -> tuple[float, ...]:

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 
 from kvmem.connector.plan import InjectionReport, Plan
+from kvmem.engine.sampling import Sampling
 from kvmem.model import ModelInfo
+from kvmem.results import TokenLogprob
 
 BLOB_WAIT_S = 30.0  # an encode's blob write takes milliseconds; only a failed one waits this long
 
@@ -26,6 +28,26 @@ class EngineRequest:
     score_last: int = 0  # >0: return the logprobs of the last n prompt tokens (teacher forcing)
     reader: bool = False  # read with the reader adapter (KV-mode chats), where the engine has one
     route: str = ""  # whose request (the user): a RemoteEngine sends a user's requests to one replica
+    sampling: Sampling = Sampling()  # greedy unless the caller asks otherwise
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One of a request's n completions."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" or "length"
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when the request asked for logprobs
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What a stream of n > 1 completions yields: new text of one of them (n = 1 yields str)."""
+
+    index: int
+    text: str
 
 
 @dataclass(frozen=True)
@@ -40,6 +62,7 @@ class EngineResult:
     first_logprobs: dict[int, float] = field(default_factory=dict)
     scored: tuple[float, ...] = ()  # logprob of each of the last `score_last` prompt tokens
     adapter: bool = False  # read with the reader adapter: vLLM ran its LoRA, or the connector its KV map
+    choices: tuple[Completion, ...] = ()  # all n completions; token_ids and text above are the first's
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,12 @@ import httpx
 
 from kvmem.engine.health import PROBE_S, Health, served_models
 from kvmem.connector.plan import ENCODE, InjectionReport
-from kvmem.engine.protocol import BLOB_WAIT_S, EngineRequest, EngineResult, EngineStatus
+from kvmem.engine.protocol import BLOB_WAIT_S, ChoiceDelta, Completion, EngineRequest, EngineResult, EngineStatus
 from kvmem.engine.replica import reader_name, served_name
-from kvmem.errors import EngineError, RequestCancelled
+from kvmem.errors import EngineError, InvalidInputError, RequestCancelled
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
+from kvmem.results import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -168,43 +169,48 @@ class RemoteEngine:
         for f in futures:
             f.cancel()  # a request already sent runs to its end on the replica
 
-    def stream(self, request: EngineRequest, cancel: threading.Event | None = None) -> Iterator[str | EngineResult]:
-        """Text deltas as the replica sends them, then the EngineResult (without connector accounting)."""
+    def stream(self, request: EngineRequest,
+               cancel: threading.Event | None = None) -> Iterator[str | ChoiceDelta | EngineResult]:
+        """Text deltas as the replica sends them (str; ChoiceDelta when n > 1), then the
+        EngineResult (without connector accounting)."""
         start = time.perf_counter()
         body = self._body(request) | {"stream": True, "stream_options": {"include_usage": True}}
         _, response = self._send(request, body, stream=True)
         got = _Streamed()
         try:
-            _raise_for(response, read=True)
-            yield from got.deltas(response, cancel)
+            _raise_for(response, request, read=True)
+            for index, text in got.deltas(response, cancel, request.logprobs):
+                yield text if request.sampling.n == 1 else ChoiceDelta(index, text)
         except httpx.HTTPError as e:  # the replica died mid-answer: too late to send it elsewhere
             raise EngineError(f"the replica failed while streaming: {e!r}") from e
         finally:
             response.close()
         done = time.perf_counter()
-        yield EngineResult(tuple(got.ids), "".join(got.text), (got.first or done) - start, done - start,
+        choices = got.completions()
+        yield EngineResult(choices[0].token_ids, choices[0].text, (got.first or done) - start, done - start,
                            got.usage.get("prompt_tokens", len(request.token_ids)), _cached(got.usage),
-                           adapter=bool(request.reader and self.reader_adapter))
+                           adapter=bool(request.reader and self.reader_adapter), choices=choices)
 
     def _complete(self, request: EngineRequest) -> EngineResult:
         stamps = {s.fact_id: self._blobs.stamp(s.fact_id) for s in request.plan.segments} \
             if request.plan and request.plan.op == ENCODE else {}
         start = time.perf_counter()
         _, response = self._send(request, self._body(request))
-        _raise_for(response)
+        _raise_for(response, request)
         done = time.perf_counter()
         body = response.json()
-        choice = body["choices"][0]
-        top = ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0] or {}
+        choices = tuple(_completion(c, request.logprobs) for c in sorted(body["choices"], key=lambda c: c["index"]))
+        top = ((body["choices"][0].get("logprobs") or {}).get("top_logprobs") or [None])[0] or {}
         usage = body.get("usage") or {}
         injection = InjectionReport.from_params(body.get("kv_transfer_params"))
         self._await_blobs(stamps, done)
         return EngineResult(
-            token_ids=tuple(_token_ids(choice)), text=choice.get("text", ""), ttft_s=done - start,
+            token_ids=choices[0].token_ids, text=choices[0].text, ttft_s=done - start,
             latency_s=done - start, prompt_tokens=usage.get("prompt_tokens", len(request.token_ids)),
             cached_tokens=_cached(usage), injection=injection,
             first_logprobs={_id(t): lp for t, lp in top.items()} if request.logprobs else {},
             adapter=bool(request.reader and self.reader_adapter) or bool(injection and injection.kv_map),
+            choices=choices,
         )
 
     def _body(self, request: EngineRequest) -> dict:
@@ -215,8 +221,8 @@ class RemoteEngine:
         reading = bool(request.reader and self._use_reader)
         model = self.reader_adapter if reading and self.reader_adapter else self.name
         body = {"model": model, "prompt": list(request.token_ids), "max_tokens": request.max_tokens,
-                "temperature": 0.0, "cache_salt": request.salt + (":reader" if reading else ""),
-                "logprobs": request.logprobs or 0}
+                "cache_salt": request.salt + (":reader" if reading else ""), "logprobs": request.logprobs or 0,
+                **request.sampling.completions_fields()}
         if request.plan is not None:
             body["kv_transfer_params"] = request.plan.read_with_reader(reading).to_params()
         return body
@@ -243,14 +249,18 @@ class RemoteEngine:
 
 @dataclass
 class _Streamed:
-    """What a streamed completion has sent so far."""
+    """What a streamed completion has sent so far, per completion index."""
 
-    text: list[str] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
+    text: dict[int, list[str]] = field(default_factory=dict)
+    chunks: dict[int, list[dict]] = field(default_factory=dict)  # each choice's chunks, for ids and logprobs
+    finish: dict[int, str] = field(default_factory=dict)
     usage: dict = field(default_factory=dict)
     first: float | None = None  # when the first token arrived
+    top_n: int | None = None
 
-    def deltas(self, response: httpx.Response, cancel: threading.Event | None) -> Iterator[str]:
+    def deltas(self, response: httpx.Response, cancel: threading.Event | None,
+               top_n: int | None) -> Iterator[tuple[int, str]]:
+        self.top_n = top_n
         for line in response.iter_lines():
             if cancel is not None and cancel.is_set():
                 raise RequestCancelled("the stream was cancelled before it finished")
@@ -260,16 +270,52 @@ class _Streamed:
             self.usage = chunk.get("usage") or self.usage
             for choice in chunk.get("choices", []):
                 self.first = self.first or time.perf_counter()
-                self.ids += _token_ids(choice)
+                index = choice.get("index", 0)
+                self.chunks.setdefault(index, []).append(choice)
+                if choice.get("finish_reason"):
+                    self.finish[index] = choice["finish_reason"]
                 if choice.get("text"):
-                    self.text.append(choice["text"])
-                    yield choice["text"]
+                    self.text.setdefault(index, []).append(choice["text"])
+                    yield index, choice["text"]
+
+    def completions(self) -> tuple[Completion, ...]:
+        indexes = sorted(set(self.chunks) | {0})
+        return tuple(_completion(_merged(i, self.chunks.get(i, []), "".join(self.text.get(i, [])),
+                                         self.finish.get(i)), self.top_n) for i in indexes)
 
 
-def _raise_for(response: httpx.Response, read: bool = False) -> None:
+def _merged(index: int, chunks: list[dict], text: str, finish: str | None) -> dict:
+    """A streamed choice's chunks as one completions choice."""
+    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for c in chunks:
+        for key in logprobs:
+            logprobs[key] += (c.get("logprobs") or {}).get(key) or []
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def _completion(choice: dict, top_n: int | None) -> Completion:
+    """A completions-API choice -> ours (tokens come as "token_id:<n>": --return-tokens-as-token-ids)."""
+    ids = tuple(_token_ids(choice))
+    logprobs = None
+    if top_n is not None:
+        raw = choice.get("logprobs") or {}
+        steps = zip(ids, raw.get("token_logprobs") or [], raw.get("top_logprobs") or [])
+        logprobs = tuple(TokenLogprob(t, lp, _top(top or {}, top_n)) for t, lp, top in steps)
+    reason = choice.get("finish_reason")
+    return Completion(choice.get("index", 0), choice.get("text", ""), ids, reason if reason in ("stop", "length")
+                      else "stop", logprobs)
+
+
+def _top(top: dict, n: int) -> tuple[tuple[int, float], ...]:
+    return tuple(sorted(((_id(t), lp) for t, lp in top.items()), key=lambda e: -e[1]))[:n]
+
+
+def _raise_for(response: httpx.Response, request: EngineRequest, read: bool = False) -> None:
     if response.status_code >= 400:
         if read:
             response.read()
+        if response.status_code == 400 and request.sampling.structured:  # a schema it cannot compile
+            raise InvalidInputError(f"the JSON schema cannot be used: {response.text[:500]}", param="response_format")
         raise EngineError(f"replica answered {response.status_code}: {response.text[:500]}")
 
 

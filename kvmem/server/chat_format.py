@@ -6,6 +6,8 @@ import json
 import time
 import uuid
 
+from kvmem.engine.sampling import MAX_N, Sampling
+from kvmem.results import Choice
 from kvmem.server.errors import ApiError
 from kvmem.server.schemas import ChatMessage, ChatRequest, MemoryOptions
 from kvmem.server.tenants import Tenant
@@ -15,14 +17,56 @@ def new_meta(model: str) -> dict:
     return {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": model}
 
 
-def chat_kwargs(body: ChatRequest, tenant: Tenant, default_max_tokens: int) -> dict:
+def chat_kwargs(body: ChatRequest, tenant: Tenant, default_max_tokens: int, max_n: int = MAX_N) -> dict:
     """KVMem.chat's keyword arguments for an OpenAI request (400 for what the server cannot honour)."""
-    if body.stop:
-        raise ApiError(400, "stop sequences are not supported", param="stop", code="unsupported_parameter")
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+    if body.n > max_n:
+        raise ApiError(400, f"n is at most {max_n} on this server, got {body.n}", param="n", code="invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
-    return {**_scope(body, tenant), "max_tokens": max_tokens, "logprobs": None}
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return {**_scope(body, tenant), "max_tokens": max_tokens, "logprobs": logprobs, "sampling": sampling(body)}
+
+
+def sampling(body: ChatRequest) -> Sampling:
+    """The request's sampling fields; those it leaves out keep Sampling's (greedy) defaults."""
+    given = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name) is not None}
+    if body.stop is not None:
+        given["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    if body.stop_token_ids:
+        given["stop_token_ids"] = tuple(body.stop_token_ids)
+    if body.logit_bias:
+        given["logit_bias"] = _logit_bias(body.logit_bias)
+    return Sampling(**given, **_response_format(body.response_format))
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "n")
+
+
+def _logit_bias(bias: dict) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (ids as strings, as JSON keys must be)."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(400, f"logit_bias maps token ids to numbers; got {key!r}: {value!r}", param="logit_bias",
+                           code="invalid_value")
+        out[int(key)] = float(value)
+    return out
+
+
+def _response_format(fmt: dict | None) -> dict:
+    """OpenAI's response_format -> Sampling's structured-output fields."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    schema = ((fmt or {}).get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if not isinstance(schema, dict):
+        raise ApiError(400, "response_format must be {type: text}, {type: json_object} or {type: json_schema, "
+                       "json_schema: {name, schema}}", param="response_format", code="invalid_value")
+    return {"json_schema": schema}
 
 
 def _scope(body: ChatRequest, tenant: Tenant) -> dict:
@@ -69,12 +113,34 @@ def _text(m: ChatMessage, i: int) -> str:
     return "\n".join(part.text for part in m.content)
 
 
+def choices_of(result) -> tuple:
+    """Every choice of a ChatResult (one made before n existed has only its answer)."""
+    return result.choices or (Choice(0, result.answer, result.token_ids, "stop"),)
+
+
 def finish_reason(result, max_tokens: int) -> str:
+    if result.choices:
+        return result.choices[0].finish_reason
     return "length" if len(result.token_ids) >= max_tokens else "stop"
 
 
+def logprobs_content(choice, decode) -> list[dict] | None:
+    """OpenAI's choice.logprobs.content: per token its text, logprob, UTF-8 bytes and top-n.
+    `decode(ids) -> texts` (KVMem.token_texts)."""
+    if choice.logprobs is None:
+        return None
+    ids = [t.token_id for t in choice.logprobs] + [i for t in choice.logprobs for i, _ in t.top]
+    text = dict(zip(ids, decode(ids)))
+
+    def entry(token_id: int, logprob: float) -> dict:
+        return {"token": text[token_id], "logprob": logprob, "bytes": list(text[token_id].encode())}
+
+    return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+            for t in choice.logprobs]
+
+
 def usage(result) -> dict:
-    completion = len(result.token_ids)
+    completion = sum(len(c.token_ids) for c in choices_of(result))
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
             "total_tokens": result.prompt_tokens + completion, "injected_tokens": result.injected_tokens,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
@@ -85,15 +151,23 @@ def memory_info(result) -> dict:
             "fallbacks": result.fallbacks, "ttft_ms": round(result.ttft_s * 1000, 3)}
 
 
-def completion(meta: dict, result, max_tokens: int) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": result.answer}, "logprobs": None,
-              "finish_reason": finish_reason(result, max_tokens)}
-    return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage(result),
+def completion(meta: dict, result, max_tokens: int, decode) -> dict:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.answer},
+                "logprobs": _logprobs(c, decode),
+                "finish_reason": c.finish_reason if result.choices else finish_reason(result, max_tokens)}
+               for c in choices_of(result)]
+    return {**meta, "object": "chat.completion", "choices": choices, "usage": usage(result),
             "memory": memory_info(result)}
 
 
-def chunk(meta: dict, delta: dict | None = None, finish: str | None = None, **extra) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+def _logprobs(choice, decode) -> dict | None:
+    content = logprobs_content(choice, decode)
+    return None if content is None else {"content": content}
+
+
+def chunk(meta: dict, delta: dict | None = None, finish: str | None = None, *, index: int = 0,
+          logprobs: dict | None = None, **extra) -> dict:
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     return {**meta, "object": "chat.completion.chunk", "choices": choices, **extra}
 
 

@@ -37,7 +37,7 @@ async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentT
     if body.model not in state.model_names:
         raise ApiError(404, f"the model {body.model!r} does not exist; see GET /v1/models", param="model",
                        code="model_not_found")
-    kwargs = chat_kwargs(body, tenant, state.settings.default_max_tokens)
+    kwargs = chat_kwargs(body, tenant, state.settings.default_max_tokens, state.settings.max_n)
     messages = kvmem_messages(body.messages)
     _enter(rt, state.metrics)
     meta = new_meta(body.model)
@@ -59,7 +59,7 @@ async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentT
         watcher.cancel()
         rt.gate.leave()
     state.metrics.observe_chat(result, False)
-    return completion(meta, result, kwargs["max_tokens"])
+    return completion(meta, result, kwargs["max_tokens"], mem.token_texts)
 
 
 async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:

@@ -57,10 +57,24 @@ class ChatRequest(_Open):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=1)  # one choice per request
+    n: int = Field(1, ge=1)  # the server's max_n caps it
     user: str | None = None
     memory: MemoryOptions | None = None
+    # Sampling, as vLLM reads it (engine/sampling.py checks ranges and names the field); absent: greedy.
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    logit_bias: dict[str, Any] | None = None  # checked in chat_format: the error names logit_bias
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (chat_format)
     tools: list[Any] | None = None
 
 

@@ -46,6 +46,7 @@ class ServerSettings:
     max_inflight: int = 64  # chat requests answered at once; any more get 429 at once
     max_body_bytes: int = 4 << 20
     default_max_tokens: int = 128  # when a chat request sets neither max_tokens nor max_completion_tokens
+    max_n: int = 8  # choices one chat request may ask for (`n`); each costs a generation
     graceful_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     allow_public_without_keys: bool = False
     served_model_name: str | None = None  # default: the model given, or the bundled model's name
@@ -55,7 +56,7 @@ class ServerSettings:
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_inflight", "max_body_bytes", "default_max_tokens"):
+        for name in ("port", "max_inflight", "max_body_bytes", "default_max_tokens", "max_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "port" else 1):
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")

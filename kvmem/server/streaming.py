@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from starlette.responses import StreamingResponse
 
 from kvmem.errors import InvalidInputError, RequestCancelled
-from kvmem.server.chat_format import chunk, finish_reason, memory_info, sse, usage
+from kvmem.engine.protocol import ChoiceDelta
+from kvmem.server.chat_format import chunk, choices_of, finish_reason, logprobs_content, memory_info, sse, usage
 from kvmem.server.errors import ApiError, from_invalid_input
 
 log = logging.getLogger("kvmem.server")
@@ -65,16 +66,20 @@ async def open_stream(rt, mem, messages, kwargs, *, meta, include_usage, on_resu
         await _close(rt, items)
         await release()
 
-    events = _events(rt, items, first, meta, include_usage, on_result, request_id, kwargs["max_tokens"])
+    n = kwargs["sampling"].n if "sampling" in kwargs else 1
+    events = _events(rt, items, first, meta, include_usage, on_result, request_id, kwargs["max_tokens"],
+                     getattr(mem, "token_texts", None), n)
     return _SlotStream(events, done)
 
 
-async def _events(rt, items, item, meta, include_usage, on_result, request_id, max_tokens):
-    yield sse(chunk(meta, {"role": "assistant", "content": ""}))
+async def _events(rt, items, item, meta, include_usage, on_result, request_id, max_tokens, decode, n):
+    for index in range(n):
+        yield sse(chunk(meta, {"role": "assistant", "content": ""}, index=index))
     try:
-        while isinstance(item, str):
-            if item:
-                yield sse(chunk(meta, {"content": item}))
+        while isinstance(item, (str, ChoiceDelta)):
+            index, text = (0, item) if isinstance(item, str) else (item.index, item.text)
+            if text:
+                yield sse(chunk(meta, {"content": text}, index=index))
             item = await rt.call(next, items, _END)
         if item is _END:
             raise RuntimeError("the chat stream ended without its result")
@@ -89,7 +94,11 @@ async def _events(rt, items, item, meta, include_usage, on_result, request_id, m
                            type="server_error", code="internal_error", extra={"request_id": request_id}).body())
         return
     on_result(item)
-    yield sse(chunk(meta, {}, finish_reason(item, max_tokens), memory=memory_info(item)))
+    for c in choices_of(item):  # each choice's end, with its logprobs (sent whole, at the end)
+        reason = c.finish_reason if item.choices else finish_reason(item, max_tokens)
+        content = logprobs_content(c, decode) if decode is not None else None
+        yield sse(chunk(meta, {}, reason, index=c.index, logprobs=None if content is None else {"content": content},
+                        memory=memory_info(item)))
     if include_usage:
         yield sse(chunk(meta, None, usage=usage(item)))
     yield sse("[DONE]")
