@@ -9,6 +9,7 @@ prefill of the same prompt (k=1, injected where encoded: exact).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -180,3 +181,32 @@ def test_kv_chats_through_the_replica_read_with_its_reader_adapter_text_chats_ne
     # The replica read the KV chat alone with its adapter: plain KV matches text, the read one moves.
     assert max(abs(plain.first_logprobs[t] - text.first_logprobs[t]) for t in plain.first_logprobs) < 1e-3
     assert read.first_logprobs != plain.first_logprobs
+
+
+def test_sampling_n_logprobs_and_json_reach_the_replica(remote_mem):
+    """Seeded sampling with n choices, top logprobs, streaming per choice and a JSON schema,
+    through a replica's completions API (RemoteEngine)."""
+    from kvmem.engine.sampling import Sampling
+    from kvmem.errors import InvalidInputError
+
+    user, q = f"u-{uuid.uuid4().hex[:8]}", "Describe my dog."
+    seeded = Sampling(temperature=1.0, seed=11, n=2)
+    first, again = (remote_mem.chat(q, user_id=user, mode="off", max_tokens=6, sampling=seeded, logprobs=3)
+                    for _ in range(2))
+    assert len(first.choices) == 2 and [c.token_ids for c in first.choices] == [c.token_ids for c in again.choices]
+    step = first.choices[1].logprobs[0]
+    assert step.token_id == first.choices[1].token_ids[0] and step.logprob <= 0 and len(step.top) == 3
+    assert [lp for _, lp in step.top] == sorted((lp for _, lp in step.top), reverse=True)
+    streamed = list(remote_mem.chat_stream(q, user_id=user, mode="off", max_tokens=6, sampling=seeded))
+    result = streamed[-1]
+    assert [c.token_ids for c in result.choices] == [c.token_ids for c in first.choices]
+    for c in result.choices:  # each choice's deltas add up to its text
+        assert "".join(d.text for d in streamed[:-1] if d.index == c.index).strip() == c.answer
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+              "additionalProperties": False}
+    reply = remote_mem.chat("My dog is Rex. Reply in JSON with his name.", user_id=user, mode="off", max_tokens=40,
+                            sampling=Sampling(json_schema=schema))
+    assert reply.finish_reason == "stop" and set(json.loads(reply.answer)) == {"name"}
+    with pytest.raises(InvalidInputError) as refused:
+        remote_mem.chat(q, user_id=user, mode="off", max_tokens=4, sampling=Sampling(json_schema={"type": "nonsense"}))
+    assert refused.value.param == "response_format"
