@@ -30,8 +30,10 @@ from kvmem.facts.text import check_fact_text, check_unicode
 from kvmem.keeper import BlobKeeper
 from kvmem.results import ChatResult, Choice
 from kvmem.retrieval import Retrieval
+from kvmem.writes import Writes
 
 MODES = ("kv", "text", "off")
+STORE = ("none", "user", "both")
 TOO_LONG = InvalidInputError.CONTEXT_LENGTH_EXCEEDED
 
 
@@ -50,6 +52,7 @@ class ChatArgs:
     logprobs: int | None = None
     text_facts: int | None = None  # the last facts KV mode prefills as text (None: kv.text_facts)
     sampling: Sampling = Sampling()  # greedy unless asked otherwise
+    store: str = "none"  # write-back after the reply: "none", "user" (the last user turn) or "both" (+ reply)
 
 
     def check(self) -> None:
@@ -62,6 +65,8 @@ class ChatArgs:
         if self.text_facts is not None and not int_at_least(self.text_facts, 0):
             raise InvalidInputError(f"text_facts must be None or an int >= 0, got {self.text_facts!r}",
                                     param="text_facts")
+        if self.store not in STORE:
+            raise InvalidInputError(f"store must be one of {STORE}, got {self.store!r}", param="store")
         if not isinstance(self.sampling, Sampling):
             raise InvalidInputError(f"sampling must be a Sampling, got {type(self.sampling).__name__}",
                                     param="sampling")
@@ -76,9 +81,10 @@ class Prepared:
 
 class Chats:
     def __init__(self, config: Config, prompts: PromptBuilder, facts, retrieval: Retrieval, keeper: BlobKeeper,
-                 engine: Engine | None) -> None:
+                 engine: Engine | None, writes: Writes | None = None) -> None:
+        """`writes`: where a chat's turns are stored when it asks (ChatArgs.store)."""
         self.config, self.prompts, self.facts = config, prompts, facts
-        self.retrieval, self.keeper, self.engine = retrieval, keeper, engine
+        self.retrieval, self.keeper, self.engine, self.writes = retrieval, keeper, engine, writes
 
     def need_engine(self) -> Engine:
         if self.engine is None:
@@ -111,13 +117,21 @@ class Chats:
         p = self.prepare(messages, args)
         request = replace(p.request, reader=p.request.reader and reader)
         (result,) = self.need_engine().run([request], cancel=cancel)
-        return self.finish(result, p, args)
+        return self._stored(self.finish(result, p, args), messages, args)
 
     def stream(self, messages, args: ChatArgs, *,
                cancel: threading.Event | None = None) -> Iterator[str | ChoiceDelta | ChatResult]:
         p = self.prepare(messages, args)
         for item in self.need_engine().stream(p.request, cancel=cancel):
-            yield self.finish(item, p, args) if isinstance(item, EngineResult) else item
+            yield self._stored(self.finish(item, p, args), messages, args) if isinstance(item, EngineResult) else item
+
+    def _stored(self, result: ChatResult, messages, args: ChatArgs) -> ChatResult:
+        """After a reply (never for a failed or aborted one): the write-back it asked for."""
+        if args.store == "none" or self.writes is None:
+            return result
+        turns = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+        stored = self.writes.remember(turns, result.answer, Scope(args.user_id, args.agent_id, args.run_id), args.store)
+        return replace(result, stored=stored)
 
     def score(self, messages, answer: str, args: ChatArgs, *, reader: bool = True) -> list[float]:
         if not isinstance(answer, str) or not answer.strip():

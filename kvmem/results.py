@@ -71,6 +71,7 @@ class ChatResult:
     first_logprobs: dict[int, float] = field(default_factory=dict)
     reader_adapter: bool = False  # the engine read this chat with the reader adapter (KV mode only)
     choices: tuple[Choice, ...] = ()  # every answer, the first being `answer`/`token_ids` above
+    stored: tuple[str, ...] = ()  # fact ids the chat's write-back stored (ChatArgs.store)
 
     @property
     def finish_reason(self) -> str:

@@ -7,11 +7,9 @@
         r = mem.chat("What is my sister's puppy called?", user_id="alice", k=5, mode="kv")
 
 KVMem is the facade and composition root: it builds the rooms and hands them to each other.
-Facts live in SQLite, or PostgreSQL when several gateways share them (facts/); retrieval.py keeps
-the dense and lexical indexes in step with them and ranks; keeper.py takes each fact's KV blob
-from encoding to eviction; chat.py turns a turn into a prompt and a Plan for the engine (engine/).
-Writes store and index first, then encode; a fact without usable KV is served by text prefill
-and re-encoded in the background.
+facts/ stores the facts (SQLite or PostgreSQL); retrieval.py keeps the dense and lexical indexes
+in step and ranks; keeper.py takes each blob from encoding to eviction; writes.py stores, indexes
+and encodes in step; chat.py turns a turn into a prompt and a Plan for the engine (engine/).
 """
 
 from __future__ import annotations
@@ -61,7 +59,8 @@ class KVMem:
         self.retrieval = Retrieval(self.facts, self.embedder, c.retrieval, self._write_lock,
                                    on_unindex=self.keeper.forget)
         self.chats = Chats(c, self.prompts, self.facts, self.retrieval, self.keeper, self.engine)
-        self.writes = Writes(c, self.facts, self.retrieval, self.keeper, self.chats.check_fact, self._write_lock)
+        self.writes = self.chats.writes = Writes(c, self.facts, self.retrieval, self.keeper, self.chats.check_fact,
+                                                 self._write_lock)
         if encoder is not None and background:
             encoder.start()
 
@@ -141,25 +140,26 @@ class KVMem:
              run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,
              mode: str = "kv", max_tokens: int = 64, logprobs: int | None = 20,
              cancel: threading.Event | None = None, reader: bool = True, text_facts: int | None = None,
-             sampling: Sampling | None = None) -> ChatResult:
+             sampling: Sampling | None = None, store: str = "none") -> ChatResult:
         """Answer with the user's top-k facts for the last user message, in the order chat.py gives.
         `fact_ids`: exactly these facts (no retrieval). Thread-safe (the engine batches chats);
         `cancel` set from another thread aborts it (RequestCancelled). `reader=False`: KV mode
         without the reader adapter. `text_facts`: the last facts prefilled as text in KV mode.
-        `sampling`: vLLM's sampling parameters, n choices, JSON output (engine/sampling.py; greedy)."""
+        `sampling`: vLLM's sampling parameters, n choices, JSON output (engine/sampling.py; greedy).
+        `store`: "user" stores the last user turn as a fact after the reply, "both" the reply too."""
         args = ChatArgs(user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs, text_facts,
-                        sampling or Sampling())
+                        sampling or Sampling(), store)
         return self.chats.chat(messages, args, cancel=cancel, reader=reader)
 
     def chat_stream(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
                     run_id: str | None = None, k: int = 10, filters: dict | None = None,
                     fact_ids: list[str] | None = None, mode: str = "kv", max_tokens: int = 64,
                     logprobs: int | None = None, cancel: threading.Event | None = None,
-                    text_facts: int | None = None, sampling: Sampling | None = None) -> Iterator:
+                    text_facts: int | None = None, sampling: Sampling | None = None, store: str = "none") -> Iterator:
         """Like chat, streaming: yields text deltas (str; ChoiceDelta(index, text) when n > 1) as
         they are generated, then the ChatResult. Closing it early, or `cancel`, aborts it."""
         args = ChatArgs(user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs, text_facts,
-                        sampling or Sampling())
+                        sampling or Sampling(), store)
         return self.chats.stream(messages, args, cancel=cancel)
 
     def score(self, messages: str | list[dict], answer: str, *, user_id: str, fact_ids: list[str],

@@ -29,11 +29,16 @@ class Writes:
         self._lock = lock
 
     def add(self, messages, scope: Scope, *, facts, metadata, context, window, encode, timestamp,
-            origin) -> AddResult:
+            origin, from_turn: int = 0) -> AddResult:
+        """`from_turn`: store only a conversation's turns from this index on (those before are
+        still the window the first of them is encoded after)."""
         check_encode_mode(encode)
         items = fact_items(messages, facts, context=context, metadata=metadata, timestamp=timestamp, origin=origin,
                            window=self.config.memory.window if window is None else window,
                            template=self.config.prompt.fact_template, check_text=self._check_text)
+        items = [i for i in items if i.get("position", 0) >= from_turn]
+        if not items:
+            return AddResult((), 0, 0, None)
         vectors = self.retrieval.vectors([i["text"] for i in items], [i["context"] for i in items],
                                          [i.get("origin", "") for i in items])  # [n, dim]
         with self._lock:
@@ -43,6 +48,18 @@ class Writes:
                 self.retrieval.index(r, r.embedding)
         report = self.keeper.encode(new, encode)
         return AddResult(tuple(r.id for r, _ in pairs), len(new), len(pairs) - len(new), report)
+
+    def remember(self, messages: list[dict], reply: str, scope: Scope, store: str) -> tuple[str, ...]:
+        """A chat's write-back: its last user turn ("user"), and the reply too ("both"), stored as
+        turn facts of the scope, encoded in the background after the turns before them (CWE).
+        -> the stored ids (duplicates included: what the scope now holds for them)."""
+        turns = messages + ([{"role": "assistant", "content": reply}] if store == "both" and reply.strip() else [])
+        last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=None)
+        if store == "none" or last_user is None:
+            return ()
+        added = self.add(turns, scope, facts=None, metadata=None, context="", window=None, encode="background",
+                         timestamp=None, origin="", from_turn=last_user)
+        return added.ids
 
     def update(self, fact_id: str, text: str, metadata: dict | None) -> FactRecord:
         old = self.facts.get(fact_id)

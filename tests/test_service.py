@@ -282,3 +282,22 @@ def test_status_is_one_typed_snapshot_of_store_queue_tiers_and_engine(mem):
     assert isinstance(status.engine, EngineStatus) and status.engine.kind == "local" and status.engine.healthy
     assert status.engine.aborted == mem.engine.aborted
     mem.delete_all(user_id="status")
+
+
+def test_chat_write_back_stores_the_last_user_turn_after_its_window(mem):
+    user = "write-back"
+    convo = [{"role": "user", "content": "I adopted a cat last week."},
+             {"role": "assistant", "content": "Congratulations!"},
+             {"role": "user", "content": "She is called Miso."}]
+    r = mem.chat(convo, user_id=user, k=1, max_tokens=4, store="user")
+    (fact_id,) = r.stored
+    fact = mem.get(fact_id)
+    assert fact.text == "user: She is called Miso." and fact.position == 2
+    assert "I adopted a cat last week." in fact.context  # encoded after the turns before it (CWE)
+    streamed = list(mem.chat_stream(convo, user_id=user, k=1, max_tokens=4, store="both"))
+    assert streamed[-1].stored[0] == fact_id and len(streamed[-1].stored) == 2  # the turn again: deduplicated
+    assert mem.chat("Hi", user_id=user, k=1, max_tokens=2).stored == ()
+    with pytest.raises(InvalidInputError) as e:
+        mem.chat("Hi", user_id=user, max_tokens=2, store="all")
+    assert e.value.param == "store"
+    mem.delete_all(user_id=user)

@@ -44,6 +44,9 @@ class MemoryOptions(_Strict):
     mode: Mode = "kv"
     filters: dict[str, Any] | None = None
     text_facts: int | None = Field(None, ge=0, le=100)  # None: the server's kv.text_facts
+    # Write-back after the reply: the last user turn ("user"), and the reply ("both"), stored as
+    # facts of the scope and encoded in the background; the response's memory.stored lists them.
+    store: Literal["none", "user", "both"] = "none"
 
 
 class StreamOptions(_Open):

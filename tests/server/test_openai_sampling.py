@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 
 import jsonschema
@@ -352,3 +353,28 @@ def test_response_format_text_is_accepted(alpha):
     r = alpha.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_memory_store_writes_the_turn_and_reply_back_for_the_next_chat(openai_client, alpha):
+    """memory.store "both": the user turn and the reply become facts of the scope, listed in the
+    response, searchable at once, encoded in the background, then injected into the next chat."""
+    user = f"store-{uuid.uuid4().hex[:8]}"
+    turn = "My neighbour's parrot is called Captain Flint."
+    r = openai_client.chat.completions.create(
+        model="kvmem", messages=[{"role": "user", "content": turn}], max_tokens=8,
+        extra_body={"memory": {"user_id": user, "store": "both"}})
+    stored = r.model_extra["memory"]["stored"]
+    assert len(stored) == 2  # the user turn and the reply
+    texts = {alpha.get(f"/v1/memories/{i}").json()["memory"] for i in stored}
+    assert f"user: {turn}" in texts and any(t.startswith("assistant: ") for t in texts)
+    hits = alpha.post("/v1/memories/search", json={"user_id": user, "query": "parrot name"}).json()["results"]
+    assert stored[0] in [h["id"] for h in hits]
+    deadline = time.monotonic() + 120
+    while alpha.get(f"/v1/memories/{stored[0]}").json()["kv_status"] != "encoded":
+        assert time.monotonic() < deadline, "the stored turn was never encoded"
+        time.sleep(0.5)
+    nxt = openai_client.chat.completions.create(
+        model="kvmem", messages=[{"role": "user", "content": "What is the parrot called?"}], max_tokens=4,
+        extra_body={"memory": {"user_id": user, "k": 2}})
+    memory = nxt.model_extra["memory"]
+    assert stored[0] in memory["fact_ids"] and memory["injected_tokens"] > 0 and memory["stored"] == []
