@@ -21,6 +21,7 @@ import uuid
 import httpx
 import pytest
 
+from kvmem.bench.oracle import logprob_gap
 from kvmem.config import Config, KVConfig, default_home
 from kvmem.engine import replica
 from kvmem.engine.protocol import EngineRequest
@@ -106,10 +107,22 @@ def test_facts_encoded_and_injected_through_the_replica_match_text_prefill(remot
     ids = [added.ids[0]]
     kv = remote_mem.chat("What is my dog called?", user_id=user, fact_ids=ids, mode="kv", max_tokens=4, logprobs=5)
     text = remote_mem.chat("What is my dog called?", user_id=user, fact_ids=ids, mode="text", max_tokens=4, logprobs=5)
+    again = remote_mem.chat("What is my dog called?", user_id=user, fact_ids=ids, mode="text", max_tokens=4,
+                            logprobs=5)  # the engine's own prefix-cache hit on the same prompt
     assert kv.injected_tokens > 0 and kv.fallbacks == 0  # the replica's connector loaded our blobs
-    assert kv.first_logprobs.keys() == text.first_logprobs.keys()
-    assert max(abs(kv.first_logprobs[t] - text.first_logprobs[t]) for t in kv.first_logprobs) < 1e-3
-    assert kv.token_ids == text.token_ids and kv.answer == text.answer
+    assert_as_exact_as_a_cache_hit(text, kv, again)
+
+
+def assert_as_exact_as_a_cache_hit(text, kv, again, exact: float = 1e-3) -> None:
+    """KV equals text prefill to within the engine's own prefix-cache noise. Where a cache hit
+    is bit-exact (most hosts) that is `exact` and the same greedy tokens; on hosts whose kernels
+    differ between fresh and cached prefill (seen: AMX-bf16 Xeons, gaps of 0.07-0.12 for vLLM's
+    own cache hits) injection may differ by as much again."""
+    noise = logprob_gap(text.first_logprobs, again.first_logprobs)
+    gap = logprob_gap(text.first_logprobs, kv.first_logprobs)
+    assert gap <= 2 * noise + exact, f"injection deviates {gap:.4f}; the engine's own cache hit {noise:.4f}"
+    if noise <= exact:
+        assert kv.token_ids == text.token_ids and kv.answer == text.answer
 
 
 def test_a_streamed_chat_through_the_replica_sends_text_then_the_result(remote_mem):
@@ -175,11 +188,12 @@ def test_kv_chats_through_the_replica_read_with_its_reader_adapter_text_chats_ne
         ids = list(mem.add(facts=["My dog is called Biscuit and loves carrots."], user_id=user).ids)
         read = mem.chat(question, user_id=user, fact_ids=ids, mode="kv", max_tokens=2, logprobs=5)
         text = mem.chat(question, user_id=user, fact_ids=ids, mode="text", max_tokens=2, logprobs=5)
+        again = mem.chat(question, user_id=user, fact_ids=ids, mode="text", max_tokens=2, logprobs=5)
     plain = remote_mem.chat(question, user_id=user, fact_ids=ids, mode="kv", max_tokens=2, logprobs=5)
     assert read.reader_adapter and not text.reader_adapter and not plain.reader_adapter
     assert remote_mem.engine.reader_adapter is None  # reader_adapter off: never asked for
     # The replica read the KV chat alone with its adapter: plain KV matches text, the read one moves.
-    assert max(abs(plain.first_logprobs[t] - text.first_logprobs[t]) for t in plain.first_logprobs) < 1e-3
+    assert_as_exact_as_a_cache_hit(text, plain, again)
     assert read.first_logprobs != plain.first_logprobs
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvmem.bench.oracle import logprob_gap
 from kvmem.config import default_home
 from kvmem.engine.remote import rendezvous
 from kvmem.bench.servers import KvmemProcess
@@ -79,7 +80,12 @@ def _add(gateway: KvmemProcess, user: str, facts: list[str]) -> list[str]:
 def _chat(client: httpx.Client, user: str, question: str, mode: str = "kv", k: int = 1) -> httpx.Response:
     return client.post("/v1/chat/completions", json={
         "model": "kvmem", "messages": [{"role": "user", "content": question}], "max_tokens": 8,
-        "memory": {"user_id": user, "k": k, "mode": mode}})
+        "logprobs": True, "top_logprobs": 5, "memory": {"user_id": user, "k": k, "mode": mode}})
+
+
+def _first_logprobs(reply: dict) -> dict[str, float]:
+    first = reply["choices"][0]["logprobs"]["content"][0]
+    return {t["token"]: t["logprob"] for t in first["top_logprobs"]}
 
 
 def _until(check, timeout: float = 15.0, what: str = "condition"):
@@ -116,8 +122,14 @@ def test_a_fact_added_through_gateway_a_is_answered_through_gateway_b_in_kv_mode
         text = _chat(c, user, "What is my dog called?", mode="text").json()
     assert kv["memory"]["fact_ids"] == [fact] and kv["memory"]["fallbacks"] == 0
     assert kv["memory"]["injected_tokens"] > 0  # the replica injected the blob the encode stored
-    # k=1, injected where it was encoded: exact, so greedy decoding matches text prefill.
-    assert kv["choices"][0]["message"]["content"] == text["choices"][0]["message"]["content"]
+    # k=1, injected where it was encoded: as exact as the engine's own prefix-cache hit.
+    # Within the engine's own prefix-cache noise (tests/engine/test_replica.py says why hosts differ).
+    with _client(a) as c:
+        again = _chat(c, user, "What is my dog called?", mode="text").json()
+    noise = logprob_gap(_first_logprobs(text), _first_logprobs(again))
+    assert logprob_gap(_first_logprobs(text), _first_logprobs(kv)) <= 2 * noise + 1e-3
+    if noise <= 1e-3:
+        assert kv["choices"][0]["message"]["content"] == text["choices"][0]["message"]["content"]
 
 
 def test_forgetting_through_one_gateway_removes_the_fact_from_every_store(topology):
