@@ -122,7 +122,9 @@ def test_codecs_bench_compares_every_codec_against_the_lossless_blobs(mem, tmp_p
     assert list(rows) == ["none", "fp8", "int8", "int4", "k8v4", "k4v8", "int7", "int6", "int4h", "k7v8"]
     none = rows["none"]
     assert none["k10_top1_agree_vs_lossless"] == 1.0 and none["k10_mean_kl_vs_lossless"] == 0.0
-    assert none["k1_max_gap"] < 0.05  # injected where encoded: the engine's own cache, bit for bit
+    # Injected where encoded: the engine's own cache, as exact as its prefix-cache hit (bit for bit
+    # on most hosts; on AMX-bf16 hosts a cache hit itself moves the first token's logprobs ~0.1).
+    assert none["k1_max_gap"] < 2 * result["k1_cache_noise"] + 0.05
     assert none["bytes_per_token"] == mem.model.kv_bytes_per_token("none")
     assert rows["int4"]["bytes_per_token"] < rows["int8"]["bytes_per_token"] < none["bytes_per_token"] / 1.9
     assert all(0 <= r["k10_top1_agree_vs_text"] <= 1 and r["kv_ttft_median_s"] > 0 for r in rows.values())
