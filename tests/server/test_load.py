@@ -60,10 +60,17 @@ def _post_quietly(client, facts: list[str]) -> None:
 @pytest.mark.last
 def test_sigkill_during_import_then_restart(servers):
     """Five acknowledged batches, a sixth in flight at the SIGKILL: after the restart every
-    acknowledged fact is there and encoded, and the sixth is all there or not at all."""
+    acknowledged fact is there and encoded, and the sixth is all there or not at all. A chat's
+    write-back (memory.store) acknowledged just before the kill survives it too."""
     server = servers.get()
     acked: list[str] = []
     with server.client() as c:
+        chat = c.post("/v1/chat/completions", json={
+            "model": "kvmem", "max_tokens": 4, "messages": [{"role": "user", "content": "I collect blue teapots."}],
+            "memory": {"user_id": "storer", "store": "both"}})
+        assert chat.status_code == 200, chat.text
+        stored = chat.json()["memory"]["stored"]
+        assert len(stored) in (1, 2)  # the turn, and the reply unless it was empty
         for n in range(5):
             r = c.post("/v1/memories", json={"user_id": "importer", "facts": _batch(n)})
             assert r.status_code == 200, r.text
@@ -78,8 +85,10 @@ def test_sigkill_during_import_then_restart(servers):
         for fact_id in acked:
             assert c.get(f"/v1/memories/{fact_id}").status_code == 200
         facts = wait_encoded(c, "importer", timeout=300)
+        written_back = wait_encoded(c, "storer", timeout=300)
     assert len(facts) in (50, 60)  # a batch is one transaction
     assert {f["kv_status"] for f in facts} == {"encoded"}
+    assert {f["id"] for f in written_back} == set(stored) and {f["kv_status"] for f in written_back} == {"encoded"}
 
 
 @pytest.mark.last
