@@ -29,17 +29,33 @@ def _assert_round_trip(cache, write, blocks, block_size, heads, dim, tokens, see
 
 
 @pytest.mark.cpu_backend
-def test_cpu_page_is_transposed_key_then_value(model_dir):
-    """Pins the layout DESIGN.md records: per (block, head) page, K as [D, block] then V as [block, D]."""
+@pytest.mark.parametrize("offset", [5, 21, 30])
+def test_cpu_page_is_transposed_key_then_value(model_dir, offset):
+    """Pins the layouts the CPU backend writes, per (block, head) page: K as [D, block] then V as
+    [block, D] (DESIGN.md), or, where vLLM picks its AMX kernels, AMX tiles (pinned below)."""
     bs, heads, dim = 32, 3, 64
-    write, _ = cpu_cache_writer(str(model_dir), bs, dim)
+    write, isa = cpu_cache_writer(str(model_dir), bs, dim)
     cache = torch.zeros(2, heads, bs, 2 * dim, dtype=torch.bfloat16)
     key = torch.randn(1, heads, dim).to(torch.bfloat16)
     value = torch.randn(1, heads, dim).to(torch.bfloat16)
-    write(key, value, cache, torch.tensor([bs + 5]))  # block 1, offset 5
+    write(key, value, cache, torch.tensor([bs + offset]))  # block 1
     page = cache.view(2, heads, 2 * bs * dim)[1]
-    assert torch.equal(page[:, : bs * dim].view(heads, dim, bs)[:, :, 5], key[0])
-    assert torch.equal(page[:, bs * dim :].view(heads, bs, dim)[:, 5], value[0])
+    if isa == "amx":
+        key_at, value_at = _amx_positions(offset, bs, dim)
+        assert torch.equal(page[:, key_at], key[0]) and torch.equal(page[:, value_at], value[0])
+        return
+    assert torch.equal(page[:, : bs * dim].view(heads, dim, bs)[:, :, offset], key[0])
+    assert torch.equal(page[:, bs * dim :].view(heads, bs, dim)[:, offset], value[0])
+
+
+def _amx_positions(offset: int, bs: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the AMX layout puts one token's K and V dims within a (block, head) page: K in tiles
+    of 16 tokens, each [D/2, 16, 2] (dim pairs interleaved per token); then V as [D/16, bs/2, 16, 2]
+    (16-dim chunks, token pairs interleaved per dim)."""
+    d = torch.arange(dim)
+    key = (offset // 16) * 16 * dim + (d // 2) * 32 + (offset % 16) * 2 + d % 2
+    value = bs * dim + (d // 16) * bs * 16 + (offset // 2) * 32 + (d % 16) * 2 + offset % 2
+    return key, value
 
 
 def test_quantized_cache_is_refused():
