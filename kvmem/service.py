@@ -6,10 +6,8 @@
         mem.search("What is the puppy called?", user_id="alice", k=3)
         r = mem.chat("What is my sister's puppy called?", user_id="alice", k=5, mode="kv")
 
-KVMem is the facade and composition root: it builds the rooms and hands them to each other.
-facts/ stores the facts (SQLite or PostgreSQL); retrieval.py keeps the dense and lexical indexes
-in step and ranks; keeper.py takes each blob from encoding to eviction; writes.py stores, indexes
-and encodes in step; chat.py turns a turn into a prompt and a Plan for the engine (engine/).
+KVMem is the facade and composition root: it builds the rooms (retrieval, keeper, writes, chat:
+the README's code map says what each does) and hands them to each other.
 """
 
 from __future__ import annotations
@@ -90,10 +88,8 @@ class KVMem:
 
     def encode_pending(self, timeout: float = 600.0) -> bool:
         """Block until the background encoder has nothing left to do (started now if this KVMem
-        was opened with background=False)."""
-        self.chats.need_engine()
-        encoder = self.keeper.need_encoder()
-        encoder.start()
+        was opened with background=False). EngineError when opened without an engine."""
+        (encoder := self.keeper.need_encoder()).start()
         return encoder.wait_idle(timeout)
 
     def update(self, fact_id: str, text: str, metadata: dict | None = None) -> FactRecord:
@@ -178,9 +174,13 @@ class KVMem:
         evictions and re-encodes of evicted facts."""
         return self.keeper.tiers().as_dict()
 
+    def encode_queue(self) -> int:
+        """Facts waiting for their KV: status().encode_queue without sizing every blob."""
+        return self.keeper.queue_depth()
+
     def status(self) -> MemoryStatus:
-        """A snapshot for /health, /metrics and the CLI: facts, encode queue, blob bytes, tiers, engine."""
-        return MemoryStatus(facts=self.facts.count(), encode_queue=self.keeper.queue_depth(),
+        """A snapshot for /metrics and the CLI: facts, encode queue, blob bytes, tiers, engine."""
+        return MemoryStatus(facts=self.facts.count(), encode_queue=self.encode_queue(),
                             kv_bytes=self.kv.total_bytes(), tiers=self.kv_tiers(),
                             engine=self.engine.status() if self.engine is not None else None)
 

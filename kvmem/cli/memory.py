@@ -75,7 +75,7 @@ def _add_summary(mem, result, no_encode: bool) -> str:
 
 def _encode_earlier_pending(mem) -> str:
     """Facts stored earlier with --no-encode get their KV now that an engine is up."""
-    waiting = mem.status().encode_queue
+    waiting = mem.encode_queue()
     if not waiting:
         return ""
     mem.encode_pending()

@@ -392,7 +392,7 @@ def _sampling(req: EngineRequest, reading: bool = False):
 
 
 def _result(out, p: _Pending, done: float) -> EngineResult:
-    outputs = [o for _, o in sorted({**p.outputs, **{o.index: o for o in out.outputs}}.items())]
+    outputs = [o for _, o in sorted(p.outputs.items())]  # _step recorded every completion, the last included
     choices = tuple(_completion(o, p.request.logprobs) for o in outputs)
     completion = choices[0]
     injection = InjectionReport.from_params(out.kv_transfer_params)

@@ -179,14 +179,14 @@ class RemoteEngine:
         got = _Streamed()
         try:
             _raise_for(response, request, read=True)
-            for index, text in got.deltas(response, cancel, request.logprobs):
+            for index, text in got.deltas(response, cancel):
                 yield text if request.sampling.n == 1 else ChoiceDelta(index, text)
         except httpx.HTTPError as e:  # the replica died mid-answer: too late to send it elsewhere
             raise EngineError(f"the replica failed while streaming: {e!r}") from e
         finally:
             response.close()
         done = time.perf_counter()
-        choices = got.completions()
+        choices = got.completions(request.logprobs)
         yield EngineResult(choices[0].token_ids, choices[0].text, (got.first or done) - start, done - start,
                            got.usage.get("prompt_tokens", len(request.token_ids)), _cached(got.usage),
                            adapter=bool(request.reader and self.reader_adapter), choices=choices)
@@ -256,11 +256,8 @@ class _Streamed:
     finish: dict[int, str] = field(default_factory=dict)
     usage: dict = field(default_factory=dict)
     first: float | None = None  # when the first token arrived
-    top_n: int | None = None
 
-    def deltas(self, response: httpx.Response, cancel: threading.Event | None,
-               top_n: int | None) -> Iterator[tuple[int, str]]:
-        self.top_n = top_n
+    def deltas(self, response: httpx.Response, cancel: threading.Event | None) -> Iterator[tuple[int, str]]:
         for line in response.iter_lines():
             if cancel is not None and cancel.is_set():
                 raise RequestCancelled("the stream was cancelled before it finished")
@@ -278,10 +275,10 @@ class _Streamed:
                     self.text.setdefault(index, []).append(choice["text"])
                     yield index, choice["text"]
 
-    def completions(self) -> tuple[Completion, ...]:
+    def completions(self, top_n: int | None) -> tuple[Completion, ...]:
         indexes = sorted(set(self.chunks) | {0})
         return tuple(_completion(_merged(i, self.chunks.get(i, []), "".join(self.text.get(i, [])),
-                                         self.finish.get(i)), self.top_n) for i in indexes)
+                                         self.finish.get(i)), top_n) for i in indexes)
 
 
 def _merged(index: int, chunks: list[dict], text: str, finish: str | None) -> dict:

@@ -9,7 +9,6 @@ OpenAI completions API (`completions_fields`): the same semantics either way.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -105,9 +104,6 @@ class Sampling:
             body["structured_outputs"] = {"json": dict(self.json_schema)} if self.json_schema is not None \
                 else {"json_object": True}
         return body
-
-    def schema_text(self) -> str | None:
-        return json.dumps(self.json_schema, sort_keys=True) if self.json_schema is not None else None
 
 
 def _check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:

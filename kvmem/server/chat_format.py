@@ -114,15 +114,13 @@ def _text(m: ChatMessage, i: int) -> str:
     return "\n".join(part.text for part in m.content)
 
 
-def choices_of(result) -> tuple:
-    """Every choice of a ChatResult (one made before n existed has only its answer)."""
-    return result.choices or (Choice(0, result.answer, result.token_ids, "stop"),)
-
-
-def finish_reason(result, max_tokens: int) -> str:
+def choices_of(result, max_tokens: int = 0) -> tuple:
+    """Every choice of a ChatResult. One made without choices (a KVMem stand-in) has only its
+    answer, finished by length when it used all of max_tokens."""
     if result.choices:
-        return result.choices[0].finish_reason
-    return "length" if len(result.token_ids) >= max_tokens else "stop"
+        return result.choices
+    reason = "length" if max_tokens and len(result.token_ids) >= max_tokens else "stop"
+    return (Choice(0, result.answer, result.token_ids, reason),)
 
 
 def logprobs_content(choice, decode) -> list[dict] | None:
@@ -156,8 +154,7 @@ def memory_info(result) -> dict:
 def completion(meta: dict, result, max_tokens: int, decode) -> dict:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.answer},
                 "logprobs": _logprobs(c, decode),
-                "finish_reason": c.finish_reason if result.choices else finish_reason(result, max_tokens)}
-               for c in choices_of(result)]
+                "finish_reason": c.finish_reason} for c in choices_of(result, max_tokens)]
     return {**meta, "object": "chat.completion", "choices": choices, "usage": usage(result),
             "memory": memory_info(result)}
 

@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 
 from kvmem.errors import InvalidInputError, RequestCancelled
 from kvmem.engine.protocol import ChoiceDelta
-from kvmem.server.chat_format import chunk, choices_of, finish_reason, logprobs_content, memory_info, sse, usage
+from kvmem.server.chat_format import chunk, choices_of, logprobs_content, memory_info, sse, usage
 from kvmem.server.errors import ApiError, from_invalid_input
 
 log = logging.getLogger("kvmem.server")
@@ -66,9 +66,8 @@ async def open_stream(rt, mem, messages, kwargs, *, meta, include_usage, on_resu
         await _close(rt, items)
         await release()
 
-    n = kwargs["sampling"].n if "sampling" in kwargs else 1
     events = _events(rt, items, first, meta, include_usage, on_result, request_id, kwargs["max_tokens"],
-                     getattr(mem, "token_texts", None), n)
+                     getattr(mem, "token_texts", None), kwargs["sampling"].n)
     return _SlotStream(events, done)
 
 
@@ -94,10 +93,9 @@ async def _events(rt, items, item, meta, include_usage, on_result, request_id, m
                            type="server_error", code="internal_error", extra={"request_id": request_id}).body())
         return
     on_result(item)
-    for c in choices_of(item):  # each choice's end, with its logprobs (sent whole, at the end)
-        reason = c.finish_reason if item.choices else finish_reason(item, max_tokens)
+    for c in choices_of(item, max_tokens):  # each choice's end, with its logprobs (sent whole, at the end)
         content = logprobs_content(c, decode) if decode is not None else None
-        yield sse(chunk(meta, {}, reason, index=c.index, logprobs=None if content is None else {"content": content},
+        yield sse(chunk(meta, {}, c.finish_reason, index=c.index, logprobs=None if content is None else {"content": content},
                         memory=memory_info(item)))
     if include_usage:
         yield sse(chunk(meta, None, usage=usage(item)))
