@@ -59,7 +59,9 @@ def _open_up(path: Path) -> None:
     if os.geteuid() != 0:
         return
     entry = _pg_user()
-    for parent in path.parents:
+    # Both the data folder and the server's own binaries (inside this venv: a clone made in a
+    # `mktemp -d` folder, mode 0700, hid them from PG_USER and initdb exited 127) must be reachable.
+    for parent in (*path.parents, *_pg_bin().parent.parents):
         parent.chmod(parent.stat().st_mode | 0o011)
     os.chown(path, entry.pw_uid, entry.pw_gid)
     for tree in (_pg_bin().parent,):  # the wheel's files are root's; the server only reads them
