@@ -55,8 +55,12 @@ def test_remembered_facts_give_the_same_cache(hf_model, make_example):
     ex = make_example(FACTS[1:4])  # FACTS[1] now served at another position
     fresh = memory_cache(hf_model, ex)
     remembered = memory_cache(hf_model, ex, facts=facts)
+    # Remembered facts were encoded in a padded batch of another width, and on CPUs whose matmuls
+    # block by shape (AMX, oneDNN) that moves float32 results by ~1e-5 at magnitudes ~10: equal up
+    # to rounding, not bit for bit. A wrong position or a wrong fact differs by whole units.
     for (k1, v1), (k2, v2) in zip(fresh, remembered):
-        assert torch.allclose(k1, k2, atol=1e-5) and torch.equal(v1, v2)
+        torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-4)
 
 
 @torch.no_grad()
