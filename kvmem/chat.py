@@ -21,6 +21,7 @@ from kvmem.encoding import salt
 from kvmem.engine.prompt import PromptBuilder
 from kvmem.engine.protocol import ChoiceDelta, Engine, EngineRequest, EngineResult
 from kvmem.engine.sampling import Sampling
+from kvmem.engine.tools import LiveContent, Tools, check_tool_turns
 from kvmem.errors import EngineError, InvalidInputError
 from kvmem.facts.inputs import check_context, int_at_least
 from kvmem.facts.messages import check_messages
@@ -28,7 +29,7 @@ from kvmem.facts.scope import Scope
 from kvmem.facts.store import FactRecord
 from kvmem.facts.text import check_fact_text, check_unicode
 from kvmem.keeper import BlobKeeper
-from kvmem.results import ChatResult, Choice
+from kvmem.results import ChatResult, Choice, ToolCallDelta
 from kvmem.retrieval import Retrieval
 from kvmem.writes import Writes
 
@@ -53,7 +54,7 @@ class ChatArgs:
     text_facts: int | None = None  # the last facts KV mode prefills as text (None: kv.text_facts)
     sampling: Sampling = Sampling()  # greedy unless asked otherwise
     store: str = "none"  # write-back after the reply: "none", "user" (the last user turn) or "both" (+ reply)
-
+    tools: Tools | None = None  # functions the reply may call (engine/tools.py)
 
     def check(self) -> None:
         if self.mode not in MODES:
@@ -70,6 +71,9 @@ class ChatArgs:
         if not isinstance(self.sampling, Sampling):
             raise InvalidInputError(f"sampling must be a Sampling, got {type(self.sampling).__name__}",
                                     param="sampling")
+        if self.tools is not None and not isinstance(self.tools, Tools):
+            raise InvalidInputError(f"tools must be a Tools (Tools.from_openai), got {type(self.tools).__name__}",
+                                    param="tools")
 
 
 @dataclass(frozen=True)
@@ -120,16 +124,43 @@ class Chats:
         return self._stored(self.finish(result, p, args), messages, args)
 
     def stream(self, messages, args: ChatArgs, *,
-               cancel: threading.Event | None = None) -> Iterator[str | ChoiceDelta | ChatResult]:
+               cancel: threading.Event | None = None) -> Iterator[str | ChoiceDelta | ToolCallDelta | ChatResult]:
         p = self.prepare(messages, args)
-        for item in self.need_engine().stream(p.request, cancel=cancel):
-            yield self._stored(self.finish(item, p, args), messages, args) if isinstance(item, EngineResult) else item
+        items = self.need_engine().stream(p.request, cancel=cancel)
+        if args.tools is None:
+            for item in items:
+                yield self._stored(self.finish(item, p, args), messages, args) if isinstance(item, EngineResult) else item
+            return
+        yield from self._tool_stream(items, p, messages, args)
+
+    def _tool_stream(self, items, p: "Prepared", messages, args: ChatArgs) -> Iterator:
+        """A stream whose reply may be tool calls: text goes out while it cannot be one (LiveContent),
+        then, once the reply is read, the held-back text or the calls."""
+        live, single = LiveContent(args.tools), args.sampling.n == 1
+        for item in items:
+            if not isinstance(item, EngineResult):
+                index, text = (0, item) if isinstance(item, str) else (item.index, item.text)
+                out = live.feed(index, text)
+                if out:
+                    yield out if single else ChoiceDelta(index, out)
+                continue
+            result = self._stored(self.finish(item, p, args), messages, args)
+            for c in result.choices:
+                rest = live.rest(c.index, bool(c.tool_calls))
+                if rest:
+                    yield rest if single else ChoiceDelta(c.index, rest)
+                yield from (ToolCallDelta(c.index, j, call) for j, call in enumerate(c.tool_calls))
+            yield result
 
     def _stored(self, result: ChatResult, messages, args: ChatArgs) -> ChatResult:
         """After a reply (never for a failed or aborted one): the write-back it asked for."""
         if args.store == "none" or self.writes is None:
             return result
         turns = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+        # Tool calls and results are not remembered: what is stored is what the people said.
+        turns = [{k: v for k, v in m.items() if k != "tool_calls"} for m in turns if m["role"] != "tool"]
+        if result.choices and result.choices[0].tool_calls:
+            result = replace(result, answer="")  # a reply that only called tools says nothing to keep
         stored = self.writes.remember(turns, result.answer, Scope(args.user_id, args.agent_id, args.run_id), args.store)
         return replace(result, stored=stored)
 
@@ -151,8 +182,11 @@ class Chats:
         args.check()
         self._check_token_ids(args.sampling)
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
-        check_messages(messages)
-        self._check_fits(messages)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            check_messages(messages)  # its error names what is wrong
+        check_messages([m for m in messages if m.get("role") != "tool"])
+        check_tool_turns(messages)
+        self._check_fits(messages, args.tools)
         t0 = time.perf_counter()
         facts = self._facts(messages, args)
         retrieval_s = time.perf_counter() - t0
@@ -160,7 +194,7 @@ class Chats:
         if args.mode == "kv":
             self.keeper.need_encoder().ensure_head()
         tokens = self.prompts.fact_tokens_many([f.text for f in facts])
-        prompt = self.prompts.chat([(f.id, t) for f, t in zip(facts, tokens)], messages)
+        prompt = self.prompts.chat([(f.id, t) for f, t in zip(facts, tokens)], messages, args.tools)
         if len(prompt.token_ids) + args.max_tokens > self.config.engine.max_model_len:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {args.max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}", param="messages",
@@ -170,8 +204,11 @@ class Chats:
         plan = Plan(INJECT, injected(prompt.segments, text_facts),
                     map_from=len(self.prompts.head_ids)) if args.mode == "kv" else None
         # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
+        sampling = args.sampling
+        if args.tools is not None and args.tools.forced:  # as vLLM's server: the calls' schema replaces response_format
+            sampling = replace(sampling, json_schema=args.tools.schema(), json_object=False, schema_from="tools")
         request = EngineRequest(prompt.token_ids, salt(args.mode, args.user_id), args.max_tokens, plan,
-                                args.logprobs, reader=args.mode == "kv", route=args.user_id, sampling=args.sampling)
+                                args.logprobs, reader=args.mode == "kv", route=args.user_id, sampling=sampling)
         return Prepared(facts, request, retrieval_s)
 
     def _check_token_ids(self, sampling: Sampling) -> None:
@@ -183,9 +220,10 @@ class Chats:
                 raise InvalidInputError(f"{param}: token ids {unknown[:5]} are not in the model's vocabulary "
                                         f"({vocab} tokens)", param=param)
 
-    def _check_fits(self, messages: list[dict]) -> None:
+    def _check_fits(self, messages: list[dict], tools: Tools | None) -> None:
         """Refuse a conversation too long to fit before tokenizing it (megabytes take seconds)."""
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(m["content"]) + len(repr(m.get("tool_calls") or "")) for m in messages)
+        chars += len(repr(tools.specs)) if tools is not None else 0
         bound = self.config.engine.max_model_len * self.prompts.max_token_chars  # no token is longer
         if chars > bound:
             raise InvalidInputError(f"messages of {chars} characters (at least {-(-chars // self.prompts.max_token_chars)}"
@@ -222,15 +260,28 @@ class Chats:
         report = r.injection
         self.keeper.after_chat(args.mode, p.facts, report)
         claimed = report.claimed_tokens if report else 0
+        choices = tuple(self._choice(Choice(c.index, c.text.strip(), c.token_ids, c.finish_reason, c.logprobs), args)
+                        for c in r.choices)
         return ChatResult(
-            answer=r.text.strip(), mode=args.mode, fact_ids=tuple(f.id for f in p.facts), ttft_s=r.ttft_s,
+            answer=choices[0].answer if choices and choices[0].tool_calls else r.text.strip(), mode=args.mode, fact_ids=tuple(f.id for f in p.facts), ttft_s=r.ttft_s,
             latency_s=r.latency_s, prompt_tokens=r.prompt_tokens, injected_tokens=claimed,
             cached_tokens=r.cached_tokens - claimed, fallbacks=report.facts_as_text if report else 0,
             fallback_reasons=dict(report.fallbacks) if report else {}, retrieval_s=p.retrieval_s,
             token_ids=r.token_ids, first_logprobs=r.first_logprobs, reader_adapter=r.adapter,
-            choices=tuple(Choice(c.index, c.text.strip(), c.token_ids, c.finish_reason, c.logprobs)
-                          for c in r.choices),
+            choices=choices,
         )
+
+    def _choice(self, c: Choice, args: ChatArgs) -> Choice:
+        """A reply read for tool calls, when the chat has tools: calls found end it with "tool_calls"
+        (unless max_tokens cut it) and its answer is the text around them."""
+        if args.tools is None:
+            return c
+        content, calls = args.tools.parse(c.answer, self.prompts.tokenizer)
+        if not calls:
+            return c
+        content = content.strip() if content else None
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return replace(c, answer=content or "", finish_reason=reason, tool_calls=calls, content=content)
 
 
 def injected(segments: tuple, text_facts: int) -> tuple:

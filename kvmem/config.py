@@ -125,6 +125,9 @@ class PromptConfig:
     system_prefix: str = "You are a helpful assistant. You know these facts about the user:\n"
     system_suffix: str = "Answer the user's question briefly, using the facts when they help."
     fact_template: str = "- {text}\n"
+    # vLLM's tool parser for replies to chats with tools (as `vllm serve --tool-call-parser`);
+    # "hermes" reads what kvmem renders for templates without tool support (engine/tools.py).
+    tool_call_parser: str = "hermes"
 
 
 @dataclass(frozen=True)

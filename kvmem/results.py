@@ -44,14 +44,34 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call read out of a reply (engine/tools.py)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A streamed chat's tool call (sent whole once the reply is read: see Chats.stream)."""
+
+    index: int  # the choice
+    position: int  # the call's place among the choice's calls
+    call: ToolCall
+
+
+@dataclass(frozen=True)
 class Choice:
     """One of a chat's n answers (each read the same prompt: in KV mode, the same injected facts)."""
 
     index: int
     answer: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (end of text or a stop sequence/token) or "length" (max_tokens)
+    finish_reason: str  # "stop" (end of text or a stop sequence/token), "length" (max_tokens) or "tool_calls"
     logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when asked for
+    tool_calls: tuple[ToolCall, ...] = ()  # when the chat had tools and the reply called them
+    content: str | None = None  # the reply less its tool calls (None: all of it was calls); set with tool_calls
 
 
 @dataclass(frozen=True)

@@ -107,8 +107,10 @@ class KVMem:
         """Forget: the text, the vector and the KV blob are gone; the history keeps the event only."""
         self.writes.delete(fact_id)
 
-    def delete_all(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None) -> int:
-        return self.writes.delete_all(Scope(user_id, agent_id, run_id))
+    def delete_all(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
+                   filters: dict | None = None) -> int:
+        """Forget the scope's facts, those whose metadata `filters` match when given (as get_all's)."""
+        return self.writes.delete_all(Scope(user_id, agent_id, run_id), filters)
 
     def reset(self) -> None:
         """Forget everything: every user's facts, vectors, history and blobs."""
@@ -132,31 +134,23 @@ class KVMem:
         return self.retrieval.search(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k,
                                      filters=filters, ranking=ranking)
 
-    def chat(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
-             run_id: str | None = None, k: int = 10, filters: dict | None = None, fact_ids: list[str] | None = None,
-             mode: str = "kv", max_tokens: int = 64, logprobs: int | None = 20,
-             cancel: threading.Event | None = None, reader: bool = True, text_facts: int | None = None,
-             sampling: Sampling | None = None, store: str = "none") -> ChatResult:
+    def chat(self, messages: str | list[dict], *, user_id: str, cancel: threading.Event | None = None,
+             reader: bool = True, **options) -> ChatResult:
         """Answer with the user's top-k facts for the last user message, in the order chat.py gives.
-        `fact_ids`: exactly these facts (no retrieval). Thread-safe (the engine batches chats);
-        `cancel` set from another thread aborts it (RequestCancelled). `reader=False`: KV mode
-        without the reader adapter. `text_facts`: the last facts prefilled as text in KV mode.
-        `sampling`: vLLM's sampling parameters, n choices, JSON output (engine/sampling.py; greedy).
-        `store`: "user" stores the last user turn as a fact after the reply, "both" the reply too."""
-        args = ChatArgs(user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs, text_facts,
-                        sampling or Sampling(), store)
-        return self.chats.chat(messages, args, cancel=cancel, reader=reader)
+        `options`: chat.ChatArgs' fields: agent_id, run_id, k (10), filters; fact_ids (exactly these
+        facts, no retrieval); mode ("kv"); max_tokens (64); logprobs (20); text_facts (the last facts
+        prefilled as text in KV mode); sampling (engine/sampling.py: greedy unless given); store
+        ("user": the last user turn stored as a fact after the reply, "both": the reply too); tools
+        (engine/tools.Tools.from_openai). Thread-safe (the engine batches chats); `cancel` set from
+        another thread aborts it (RequestCancelled). `reader=False`: KV mode without the reader adapter."""
+        return self.chats.chat(messages, _chat_args(user_id, {"logprobs": 20, **options}), cancel=cancel, reader=reader)
 
-    def chat_stream(self, messages: str | list[dict], *, user_id: str, agent_id: str | None = None,
-                    run_id: str | None = None, k: int = 10, filters: dict | None = None,
-                    fact_ids: list[str] | None = None, mode: str = "kv", max_tokens: int = 64,
-                    logprobs: int | None = None, cancel: threading.Event | None = None,
-                    text_facts: int | None = None, sampling: Sampling | None = None, store: str = "none") -> Iterator:
-        """Like chat, streaming: yields text deltas (str; ChoiceDelta(index, text) when n > 1) as
-        they are generated, then the ChatResult. Closing it early, or `cancel`, aborts it."""
-        args = ChatArgs(user_id, agent_id, run_id, k, filters, fact_ids, mode, max_tokens, logprobs, text_facts,
-                        sampling or Sampling(), store)
-        return self.chats.stream(messages, args, cancel=cancel)
+    def chat_stream(self, messages: str | list[dict], *, user_id: str, cancel: threading.Event | None = None,
+                    **options) -> Iterator:
+        """Like chat (logprobs None by default), streaming: yields text deltas (str; ChoiceDelta(index,
+        text) when n > 1) and, with tools, ToolCallDelta, as they come, then the ChatResult. Closing
+        it early, or `cancel`, aborts it."""
+        return self.chats.stream(messages, _chat_args(user_id, options), cancel=cancel)
 
     def score(self, messages: str | list[dict], answer: str, *, user_id: str, fact_ids: list[str],
               mode: str = "kv", reader: bool = True) -> list[float]:
@@ -197,3 +191,7 @@ class KVMem:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _chat_args(user_id: str, options: dict) -> ChatArgs:
+    return ChatArgs(user_id, **{**options, "sampling": options.get("sampling") or Sampling()})

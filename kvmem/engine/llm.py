@@ -286,7 +286,7 @@ def _refused(request: EngineRequest, error: Exception) -> Exception:
     if not isinstance(error, (VLLMClientError, ValueError)):
         return error
     if request.sampling.structured:
-        return InvalidInputError(f"the JSON schema cannot be used: {error}", param="response_format")
+        return InvalidInputError(f"the JSON schema cannot be used: {error}", param=request.sampling.schema_from)
     return InvalidInputError(f"the engine refused the request: {error}", param=getattr(error, "parameter", None))
 
 

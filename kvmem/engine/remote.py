@@ -312,7 +312,7 @@ def _raise_for(response: httpx.Response, request: EngineRequest, read: bool = Fa
         if read:
             response.read()
         if response.status_code == 400 and request.sampling.structured:  # a schema it cannot compile
-            raise InvalidInputError(f"the JSON schema cannot be used: {response.text[:500]}", param="response_format")
+            raise InvalidInputError(f"the JSON schema cannot be used: {response.text[:500]}", param=request.sampling.schema_from)
         raise EngineError(f"replica answered {response.status_code}: {response.text[:500]}")
 
 

@@ -35,6 +35,7 @@ class Sampling:
     n: int = 1  # choices, each reading the same prompt (in KV mode, the same injected facts)
     json_schema: Mapping[str, Any] | None = None  # the reply is JSON valid against this schema
     json_object: bool = False  # the reply is a JSON object
+    schema_from: str = "response_format"  # the request field a schema came from, blamed if it cannot be used
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, 0.0, 2.0)
@@ -55,7 +56,7 @@ class Sampling:
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0)
         if self.json_schema is not None and not isinstance(self.json_schema, Mapping):
-            raise InvalidInputError("a JSON schema must be an object", param="response_format")
+            raise InvalidInputError("a JSON schema must be an object", param=self.schema_from)
 
     def _check_bias(self) -> None:
         if not isinstance(self.logit_bias, Mapping) or len(self.logit_bias) > 300:

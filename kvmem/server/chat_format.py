@@ -7,6 +7,7 @@ import time
 import uuid
 
 from kvmem.engine.sampling import MAX_N, Sampling
+from kvmem.engine.tools import Tools
 from kvmem.results import Choice
 from kvmem.server.errors import ApiError
 from kvmem.server.schemas import ChatMessage, ChatRequest, MemoryOptions
@@ -17,15 +18,16 @@ def new_meta(model: str) -> dict:
     return {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": model}
 
 
-def chat_kwargs(body: ChatRequest, tenant: Tenant, default_max_tokens: int, max_n: int = MAX_N) -> dict:
+def chat_kwargs(body: ChatRequest, tenant: Tenant, default_max_tokens: int, max_n: int = MAX_N,
+                tool_parser: str = "hermes") -> dict:
     """KVMem.chat's keyword arguments for an OpenAI request (400 for what the server cannot honour)."""
-    if body.tools:
-        raise ApiError(400, "tools are not supported", param="tools", code="unsupported_parameter")
     if body.n > max_n:
         raise ApiError(400, f"n is at most {max_n} on this server, got {body.n}", param="n", code="invalid_value")
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return {**_scope(body, tenant), "max_tokens": max_tokens, "logprobs": logprobs, "sampling": sampling(body)}
+    tools = Tools.from_openai(body.tools, body.tool_choice, body.parallel_tool_calls, tool_parser)
+    return {**_scope(body, tenant), "max_tokens": max_tokens, "logprobs": logprobs, "sampling": sampling(body),
+            **({"tools": tools} if tools is not None else {})}
 
 
 def sampling(body: ChatRequest) -> Sampling:
@@ -84,7 +86,7 @@ def _scope(body: ChatRequest, tenant: Tenant) -> dict:
 
 
 def kvmem_messages(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages -> kvmem's user/assistant turns.
+    """OpenAI messages -> kvmem's user/assistant/tool turns (engine/tools.py checks the tool ones).
 
     kvmem's system message is its own (it holds the facts), so system/developer messages are
     put at the start of the first user turn.
@@ -94,8 +96,10 @@ def kvmem_messages(messages: list[ChatMessage]) -> list[dict]:
         text = _text(m, i)
         if m.role in ("system", "developer"):
             system.append(text)
+        elif m.role == "tool":
+            turns.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id})
         else:
-            turns.append({"role": m.role, "content": text})
+            turns.append({"role": m.role, "content": text, **({"tool_calls": m.tool_calls} if m.tool_calls else {})})
     if system:
         first = next((t for t in turns if t["role"] == "user"), None)
         if first is None:
@@ -152,11 +156,24 @@ def memory_info(result) -> dict:
 
 
 def completion(meta: dict, result, max_tokens: int, decode) -> dict:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.answer},
-                "logprobs": _logprobs(c, decode),
+    choices = [{"index": c.index, "message": message(c), "logprobs": _logprobs(c, decode),
                 "finish_reason": c.finish_reason} for c in choices_of(result, max_tokens)]
     return {**meta, "object": "chat.completion", "choices": choices, "usage": usage(result),
             "memory": memory_info(result)}
+
+
+def message(choice) -> dict:
+    """A choice's assistant message: its text, or its tool calls and the text beside them."""
+    if not choice.tool_calls:
+        return {"role": "assistant", "content": choice.answer}
+    return {"role": "assistant", "content": choice.content,
+            "tool_calls": [tool_call(call) for call in choice.tool_calls]}
+
+
+def tool_call(call, position: int | None = None) -> dict:
+    """OpenAI's tool call; with `position`, the streamed delta form (its index among the calls)."""
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if position is None else {"index": position, **out}
 
 
 def _logprobs(choice, decode) -> dict | None:

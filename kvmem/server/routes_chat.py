@@ -37,7 +37,8 @@ async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentT
     if body.model not in state.model_names:
         raise ApiError(404, f"the model {body.model!r} does not exist; see GET /v1/models", param="model",
                        code="model_not_found")
-    kwargs = chat_kwargs(body, tenant, state.settings.default_max_tokens, state.settings.max_n)
+    kwargs = chat_kwargs(body, tenant, state.settings.default_max_tokens, state.settings.max_n,
+                         _tool_parser(mem))
     messages = kvmem_messages(body.messages)
     _enter(rt, state.metrics)
     meta = new_meta(body.model)
@@ -68,6 +69,11 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
     while (await request.receive())["type"] != "http.disconnect":
         pass
     cancel.set()
+
+
+def _tool_parser(mem) -> str:
+    config = getattr(mem, "config", None)  # a KVMem stand-in in tests may have none
+    return config.prompt.tool_call_parser if config is not None else "hermes"
 
 
 def _enter(rt, metrics) -> None:

@@ -30,8 +30,10 @@ class ContentPart(_Open):
 
 
 class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (engine/tools.py checks them)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class MemoryOptions(_Strict):
@@ -78,7 +80,9 @@ class ChatRequest(_Open):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (chat_format)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked against vLLM's tool class in engine/tools.py (errors name tools)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # -- memories -------------------------------------------------------------------------------------

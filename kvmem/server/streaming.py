@@ -16,7 +16,8 @@ from starlette.responses import StreamingResponse
 
 from kvmem.errors import InvalidInputError, RequestCancelled
 from kvmem.engine.protocol import ChoiceDelta
-from kvmem.server.chat_format import chunk, choices_of, logprobs_content, memory_info, sse, usage
+from kvmem.results import ToolCallDelta
+from kvmem.server.chat_format import chunk, choices_of, logprobs_content, memory_info, sse, tool_call, usage
 from kvmem.server.errors import ApiError, from_invalid_input
 
 log = logging.getLogger("kvmem.server")
@@ -75,10 +76,13 @@ async def _events(rt, items, item, meta, include_usage, on_result, request_id, m
     for index in range(n):
         yield sse(chunk(meta, {"role": "assistant", "content": ""}, index=index))
     try:
-        while isinstance(item, (str, ChoiceDelta)):
-            index, text = (0, item) if isinstance(item, str) else (item.index, item.text)
-            if text:
-                yield sse(chunk(meta, {"content": text}, index=index))
+        while isinstance(item, (str, ChoiceDelta, ToolCallDelta)):
+            if isinstance(item, ToolCallDelta):
+                yield sse(chunk(meta, {"tool_calls": [tool_call(item.call, item.position)]}, index=item.index))
+            else:
+                index, text = (0, item) if isinstance(item, str) else (item.index, item.text)
+                if text:
+                    yield sse(chunk(meta, {"content": text}, index=index))
             item = await rt.call(next, items, _END)
         if item is _END:
             raise RuntimeError("the chat stream ended without its result")

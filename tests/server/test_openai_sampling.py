@@ -327,9 +327,6 @@ def test_kv_reply_equals_text_reply_for_one_fact(openai_client, one_fact_user):
 
 # -- what is refused ------------------------------------------------------------------------------
 
-TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
-
-
 @pytest.mark.parametrize("fields,param", [
     ({"n": 1000}, "n"),
     ({"n": 9}, "n"),  # the default cap is 8
@@ -342,9 +339,8 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     ({"temperature": -1}, "temperature"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}}},
      "response_format"),
-    ({"tools": [TOOL]}, "tools"),
 ], ids=["n-1000", "n-9", "n-0", "top_logprobs-21", "bias-101", "bias--101", "bias-key-word", "bias-key-oov",
-        "temperature--1", "schema-invalid", "tools"])
+        "temperature--1", "schema-invalid"])
 def test_400_names_the_field(alpha, fields, param):
     assert_error(alpha.post("/v1/chat/completions", json={**CHAT, **fields}), 400, param)
 
