@@ -53,3 +53,35 @@ def test_with_structured_output_returns_the_model(server, user, mode):
     llm = chat_model(server, user, mode, max_tokens=64).with_structured_output(Pet, method="json_schema")
     pet = llm.invoke("Give my dog's name and what animal it is, as JSON.")
     assert isinstance(pet, Pet) and pet.name and pet.animal
+
+
+class GetWeather(BaseModel):
+    """Current weather in a city."""
+
+    city: str
+
+
+@pytest.mark.parametrize("mode", ["kv", "text"])
+def test_bind_tools_with_a_forced_tool(server, user, mode):
+    llm = chat_model(server, user, mode, max_tokens=48).bind_tools([GetWeather], tool_choice="GetWeather")
+    reply = llm.invoke("What is the weather where I live?")
+    (call,) = reply.tool_calls
+    assert call["name"] == "GetWeather" and GetWeather.model_validate(call["args"]), reply
+    assert reply.response_metadata["finish_reason"] == "tool_calls"
+    chunks = list(llm.stream("What is the weather where I live?"))
+    streamed = chunks[0]
+    for c in chunks[1:]:
+        streamed += c
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+
+def test_a_tool_result_goes_back_through_langchain(server, user):
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    llm = chat_model(server, user, "kv", max_tokens=24).bind_tools([GetWeather], tool_choice="GetWeather")
+    question = HumanMessage("What is the weather where I live?")
+    first = llm.invoke([question])
+    answer = chat_model(server, user, "kv", max_tokens=24).bind_tools([GetWeather]).invoke(
+        [question, first, ToolMessage('{"sky": "rain", "celsius": 12}', tool_call_id=first.tool_calls[0]["id"])])
+    assert isinstance(answer.content, str)
+    assert answer.content.strip() or answer.tool_calls  # "auto": text, or another call

@@ -136,7 +136,8 @@ def test_a_fact_added_through_gateway_a_is_answered_through_gateway_b_in_kv_mode
 
 def test_the_openai_sdk_samples_and_gets_json_through_a_gateway(topology):
     """The front door's fields carried gateway -> replica: seeded n choices reproduce, a JSON
-    schema constrains the reply, a stop string ends it, logprobs come back, in kv and text mode."""
+    schema constrains the reply, a stop string ends it, logprobs come back, a forced tool call
+    parses (streamed too), in kv and text mode."""
     from openai import OpenAI
 
     a, _ = topology["gateways"]
@@ -159,6 +160,20 @@ def test_the_openai_sdk_samples_and_gets_json_through_a_gateway(topology):
         reply = client.chat.completions.create(**{**ask, "max_tokens": 32}, response_format={
             "type": "json_schema", "json_schema": {"name": "dog", "schema": schema}}).choices[0]
         assert reply.finish_reason == "stop" and set(json.loads(reply.message.content)) == {"name"}
+        _check_tool_call_through(client, ask, schema)
+
+
+def _check_tool_call_through(client, ask: dict, schema: dict) -> None:
+    """A forced tool call (the calls' schema goes to the replica as structured output), streamed too."""
+    tool = {"type": "function", "function": {"name": "name_dog", "parameters": schema}}
+    forced = {**ask, "max_tokens": 96, "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+    choice = client.chat.completions.create(**forced).choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "name_dog"
+    assert set(json.loads(call.function.arguments)) == {"name"}
+    deltas = [d for chunk in client.chat.completions.create(**forced, stream=True) for c in chunk.choices
+              for d in c.delta.tool_calls or ()]
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
 
 
 def test_forgetting_through_one_gateway_removes_the_fact_from_every_store(topology):
