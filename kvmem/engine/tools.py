@@ -66,10 +66,14 @@ class Tools:
     def schema(self) -> dict:
         """The JSON schema vLLM's server constrains a forced reply with: a named function's
         parameters, or for "required" a list of {name, parameters} (one item if not parallel)."""
+        from vllm.exceptions import VLLMClientError
         from vllm.tool_parsers.utils import get_json_schema_from_tools
 
         request = self._vllm_request()
-        return get_json_schema_from_tools(request.tool_choice, request.tools, request.parallel_tool_calls)
+        try:
+            return get_json_schema_from_tools(request.tool_choice, request.tools, request.parallel_tool_calls)
+        except (VLLMClientError, ValueError) as e:  # e.g. "$defs" that is not an object
+            raise InvalidInputError(f"the tools' parameters cannot make a schema: {e}", param="tools") from None
 
     def parse(self, text: str, tokenizer) -> tuple[str | None, tuple[ToolCall, ...]]:
         """A reply -> (content, tool calls); a reply that names no tool is all content."""

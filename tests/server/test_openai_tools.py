@@ -219,8 +219,10 @@ _CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
      "messages"),
     ({"tools": [{"type": "function", "function": {"name": "bad", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": []}}}],
+      "tool_choice": "required"}, "tools"),
 ], ids=["type-retrieval", "no-name", "duplicate", "named-unknown", "choice-word", "choice-without-tools",
-        "tool-without-call", "arguments-not-json", "schema-uncompilable"])
+        "tool-without-call", "arguments-not-json", "schema-uncompilable", "defs-not-an-object"])
 def test_400_names_the_field(alpha, fields, param):
     assert_error(alpha.post("/v1/chat/completions", json={**CHAT, **fields}), 400, param)
 
