@@ -161,6 +161,24 @@ def test_the_openai_sdk_samples_and_gets_json_through_a_gateway(topology):
             "type": "json_schema", "json_schema": {"name": "dog", "schema": schema}}).choices[0]
         assert reply.finish_reason == "stop" and set(json.loads(reply.message.content)) == {"name"}
         _check_tool_call_through(client, ask, schema)
+    _check_langchain_through(a, user)
+
+
+def _check_langchain_through(gateway, user: str) -> None:
+    """LangChain's ChatOpenAI at a gateway: invoke, stream, a forced tool and structured output."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Dog(BaseModel):
+        name: str
+
+    llm = ChatOpenAI(base_url=gateway.url + "/v1", api_key="unused", model="kvmem", temperature=0, max_retries=0,
+                     timeout=300, max_tokens=32, extra_body={"memory": {"user_id": user, "k": 1, "mode": "kv"}})
+    answer = llm.invoke("What is my dog called?").content
+    assert answer.strip() and "".join(c.content for c in llm.stream("What is my dog called?")) == answer
+    (call,) = llm.bind_tools([Dog], tool_choice="Dog").invoke("What is my dog called?").tool_calls
+    assert call["name"] == "Dog" and Dog.model_validate(call["args"])
+    assert isinstance(llm.with_structured_output(Dog, method="json_schema").invoke("My dog's name, as JSON."), Dog)
 
 
 def _check_tool_call_through(client, ask: dict, schema: dict) -> None:
