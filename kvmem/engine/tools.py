@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from kvmem.config import ConfigError
 from kvmem.errors import InvalidInputError
 from kvmem.results import ToolCall
 
@@ -52,6 +53,7 @@ class Tools:
         if len(set(names)) != len(names):
             raise InvalidInputError(f"tool names must be unique, got {names}", param="tools")
         choice, function = _check_choice(tool_choice, names)
+        _check_parser(parser)
         return cls(specs, choice, function, parallel_tool_calls is not False, parser)
 
     @property
@@ -143,6 +145,14 @@ def _check_spec(tool, i: int) -> dict:
     if not spec["function"]["name"].strip():
         raise InvalidInputError(f"tools[{i}].function.name must not be empty", param="tools")
     return spec
+
+
+def _check_parser(name: str) -> None:
+    from vllm.tool_parsers import ToolParserManager
+
+    if name not in ToolParserManager.list_registered():
+        raise ConfigError(f"prompt.tool_call_parser {name!r} is not one of vLLM's tool parsers: "
+                          f"{', '.join(ToolParserManager.list_registered())}")
 
 
 def _check_choice(tool_choice, names: list[str]) -> tuple[str, str | None]:

@@ -138,3 +138,11 @@ def test_bad_tools_name_their_field(tools, choice, param):
     with pytest.raises(InvalidInputError) as e:
         Tools.from_openai(tools, choice)
     assert e.value.param == param
+
+
+def test_an_unknown_parser_is_a_configuration_error():
+    from kvmem.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tool_call_parser 'nope'"):
+        Tools.from_openai([WEATHER], "auto", parser="nope")
+    assert Tools.from_openai([WEATHER], "auto", parser="llama3_json").parser == "llama3_json"
