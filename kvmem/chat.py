@@ -184,8 +184,8 @@ class Chats:
         messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             check_messages(messages)  # its error names what is wrong
-        check_messages([m for m in messages if m.get("role") != "tool"])
         check_tool_turns(messages)
+        check_messages([m for m in messages if m.get("role") != "tool"])
         self._check_fits(messages, args.tools)
         t0 = time.perf_counter()
         facts = self._facts(messages, args)

@@ -14,12 +14,13 @@ CHAT = {"model": "kvmem", "messages": [{"role": "user", "content": "hi"}], "user
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages"),  # answers no call
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "n": 9}, "n"),  # over the server's max_n (8)
     ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "retrieval"}]}, "tools"),  # only function tools
     ("/v1/chat/completions", {**CHAT, "memory": {"user_id": "u", "mode": "fast"}}, "memory.mode"),
     ("/v1/chat/completions", {**CHAT, "memory": {"user_id": "u", "text_facts": -1}}, "memory.text_facts"),
     ("/v1/chat/completions", {**CHAT, "user": ""}, "user"),
