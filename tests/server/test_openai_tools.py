@@ -118,9 +118,10 @@ def test_required_calls_only_the_given_tools(openai_client, user, mode):
     assert call.function.name in SCHEMAS
 
 
-def test_parse_with_a_pydantic_function_tool(openai_client, user):
+@pytest.mark.parametrize("mode", MODES)
+def test_parse_with_a_pydantic_function_tool(openai_client, user, mode):
     tool = openai.pydantic_function_tool(Weather, name="get_weather")
-    r = openai_client.chat.completions.parse(**_kw(user, "kv", tools=[tool], tool_choice=NAMED))
+    r = openai_client.chat.completions.parse(**_kw(user, mode, tools=[tool], tool_choice=NAMED))
     call = r.choices[0].message.tool_calls[0]
     assert isinstance(call.function.parsed_arguments, Weather), call
 
@@ -143,9 +144,10 @@ def test_kv_calls_equal_text_calls_for_one_fact(openai_client, one_fact_user):
 # -- streaming ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
-def test_streamed_calls_equal_the_unstreamed_ones(openai_client, user, choice):
-    kw = _kw(user, "kv", [{"role": "user", "content": GALWAY}], tools=[WEATHER, NOTE], tool_choice=choice,
+def test_streamed_calls_equal_the_unstreamed_ones(openai_client, user, choice, mode):
+    kw = _kw(user, mode, [{"role": "user", "content": GALWAY}], tools=[WEATHER, NOTE], tool_choice=choice,
              max_tokens=160)
     whole = openai_client.chat.completions.create(**kw)
     _check_calls(whole.choices[0])
@@ -167,8 +169,9 @@ def test_auto_streams_text_when_the_model_calls_nothing(openai_client, user):
         assert content.strip() == whole.message.content and not calls
 
 
-def test_async_client_gets_the_same_call(server, openai_client, user):
-    kw = _kw(user, "kv", tools=[WEATHER], tool_choice=NAMED)
+@pytest.mark.parametrize("mode", MODES)
+def test_async_client_gets_the_same_call(server, openai_client, user, mode):
+    kw = _kw(user, mode, tools=[WEATHER], tool_choice=NAMED)
     expected = openai_client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function.arguments
 
     async def ask() -> str:
