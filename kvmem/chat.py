@@ -31,6 +31,7 @@ from kvmem.facts.text import check_fact_text, check_unicode
 from kvmem.keeper import BlobKeeper
 from kvmem.results import ChatResult, Choice, ToolCallDelta
 from kvmem.retrieval import Retrieval
+from kvmem.trace import ChatTrace, FactTrace, TraceRing, clip, served
 from kvmem.writes import Writes
 
 MODES = ("kv", "text", "off")
@@ -55,6 +56,7 @@ class ChatArgs:
     sampling: Sampling = Sampling()  # greedy unless asked otherwise
     store: str = "none"  # write-back after the reply: "none", "user" (the last user turn) or "both" (+ reply)
     tools: Tools | None = None  # functions the reply may call (engine/tools.py)
+    chat_id: str | None = None  # the id its x-ray is kept under (trace.py); None: a new one
 
     def check(self) -> None:
         if self.mode not in MODES:
@@ -81,6 +83,9 @@ class Prepared:
     facts: list[FactRecord]
     request: EngineRequest
     retrieval_s: float
+    scores: dict[str, float]  # fact id -> retrieval score (empty when the chat named its facts)
+    fact_tokens: tuple[int, ...] = ()  # each fact's tokens in the prompt, in prompt order
+    question: str = ""
 
 
 class Chats:
@@ -89,6 +94,7 @@ class Chats:
         """`writes`: where a chat's turns are stored when it asks (ChatArgs.store)."""
         self.config, self.prompts, self.facts = config, prompts, facts
         self.retrieval, self.keeper, self.engine, self.writes = retrieval, keeper, engine, writes
+        self.traces = TraceRing(config.memory.trace_chats)  # the chat x-ray (trace.py)
 
     def need_engine(self) -> Engine:
         if self.engine is None:
@@ -188,7 +194,7 @@ class Chats:
         check_messages([m for m in messages if m.get("role") != "tool"])
         self._check_fits(messages, args.tools)
         t0 = time.perf_counter()
-        facts = self._facts(messages, args)
+        facts, scores = self._facts(messages, args)
         retrieval_s = time.perf_counter() - t0
         self.need_engine()
         if args.mode == "kv":
@@ -209,7 +215,8 @@ class Chats:
             sampling = replace(sampling, json_schema=args.tools.schema(), json_object=False, schema_from="tools")
         request = EngineRequest(prompt.token_ids, salt(args.mode, args.user_id), args.max_tokens, plan,
                                 args.logprobs, reader=args.mode == "kv", route=args.user_id, sampling=sampling)
-        return Prepared(facts, request, retrieval_s)
+        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        return Prepared(facts, request, retrieval_s, scores, tuple(map(len, tokens)), clip(question))
 
     def _check_token_ids(self, sampling: Sampling) -> None:
         """Token ids the model's vocabulary has (vLLM would fail the request late, without a field)."""
@@ -230,20 +237,21 @@ class Chats:
                                     f" tokens) exceed the model's {self.config.engine.max_model_len}",
                                     param="messages", code=TOO_LONG)
 
-    def _facts(self, messages: list[dict], a: ChatArgs) -> list[FactRecord]:
+    def _facts(self, messages: list[dict], a: ChatArgs) -> tuple[list[FactRecord], dict[str, float]]:
+        """The chat's facts in prompt order, and their retrieval scores."""
         Scope(a.user_id, a.agent_id, a.run_id)
         if a.mode == "off":
-            return []
+            return [], {}
         if a.fact_ids is not None:
-            return self._chosen(a.fact_ids, a.user_id)
+            return self._chosen(a.fact_ids, a.user_id), {}
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         if not question.strip():
-            return []
+            return [], {}
         hits = self.retrieval.search(question, user_id=a.user_id, agent_id=a.agent_id, run_id=a.run_id, k=a.k,
                                      filters=a.filters)
         facts = [self.facts.get(h.id) for h in hits]
         facts.sort(key=lambda f: (f.created_at, f.position or 0, f.id))
-        return kv_first(facts) if a.mode == "kv" else facts
+        return (kv_first(facts) if a.mode == "kv" else facts), {h.id: h.score for h in hits}
 
     def _chosen(self, fact_ids, user_id: str) -> list[FactRecord]:
         """Exactly these facts, in this order (retrieval skipped); all must be the user's."""
@@ -262,7 +270,9 @@ class Chats:
         claimed = report.claimed_tokens if report else 0
         choices = tuple(self._choice(Choice(c.index, c.text.strip(), c.token_ids, c.finish_reason, c.logprobs), args)
                         for c in r.choices)
+        trace = self._trace(r, p, args)
         return ChatResult(
+            trace_id=trace.id if args.mode != "off" else "",
             answer=choices[0].answer if choices and choices[0].tool_calls else r.text.strip(), mode=args.mode, fact_ids=tuple(f.id for f in p.facts), ttft_s=r.ttft_s,
             latency_s=r.latency_s, prompt_tokens=r.prompt_tokens, injected_tokens=claimed,
             cached_tokens=r.cached_tokens - claimed, fallbacks=report.facts_as_text if report else 0,
@@ -270,6 +280,25 @@ class Chats:
             token_ids=r.token_ids, first_logprobs=r.first_logprobs, reader_adapter=r.adapter,
             choices=choices,
         )
+
+    def _trace(self, r: EngineResult, p: Prepared, args: ChatArgs) -> ChatTrace:
+        """The chat's x-ray, kept in the scope's ring (trace.py)."""
+        report, plan = r.injection, p.request.plan
+        ids = [f.id for f in p.facts]
+        how = served(ids, args.mode, len(plan.segments) - 1 if plan else 0, report.facts_from_blobs if report else 0,
+                     dict(report.fallbacks) if report else {})
+        facts = tuple(FactTrace(f.id, clip(f.text), p.scores.get(f.id), kind, reason, n)
+                      for f, (kind, reason), n in zip(p.facts, how, p.fact_tokens))
+        reasons: dict[str, int] = {}
+        for fact in facts:
+            if fact.reason not in (None, "mode"):
+                reasons[fact.reason] = reasons.get(fact.reason, 0) + 1
+        trace = ChatTrace(args.chat_id or uuid.uuid4().hex, args.user_id, args.agent_id, args.run_id, time.time(), args.mode,
+                          p.question, facts, r.prompt_tokens, report.claimed_tokens if report else 0,
+                          round(r.ttft_s * 1000, 3), round(p.retrieval_s * 1000, 3), reasons)
+        if args.mode != "off":  # a chat without memory has nothing to show
+            self.traces.record(trace)
+        return trace
 
     def _choice(self, c: Choice, args: ChatArgs) -> Choice:
         """A reply read for tool calls, when the chat has tools: calls found end it with "tool_calls"

@@ -140,6 +140,7 @@ class MemoryConfig:
 
     window: int = 2
     max_fact_tokens: int = 256
+    trace_chats: int = 32  # chats whose x-ray each scope keeps in memory (trace.py; 0: none)
 
 
 RETRIEVAL_MODES = ("hybrid", "dense", "lexical")

@@ -92,6 +92,7 @@ class ChatResult:
     reader_adapter: bool = False  # the engine read this chat with the reader adapter (KV mode only)
     choices: tuple[Choice, ...] = ()  # every answer, the first being `answer`/`token_ids` above
     stored: tuple[str, ...] = ()  # fact ids the chat's write-back stored (ChatArgs.store)
+    trace_id: str = ""  # its x-ray (KVMem.trace; GET /v1/chats/{id}/trace)
 
     @property
     def finish_reason(self) -> str:

@@ -159,6 +159,10 @@ class KVMem:
         args = ChatArgs(user_id, k=1, fact_ids=fact_ids, mode=mode, max_tokens=1)
         return self.chats.score(messages, answer, args, reader=reader)
 
+    def trace(self, chat_id: str):
+        """A recent chat's x-ray (trace.ChatTrace, by ChatResult.trace_id); None once its scope's ring dropped it."""
+        return self.chats.traces.get(chat_id)
+
     def token_texts(self, token_ids) -> list[str]:
         """Each token's text, decoded alone (the `token` of OpenAI's logprobs)."""
         return [self.prompts.tokenizer.decode([t]) for t in token_ids]

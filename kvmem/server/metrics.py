@@ -25,6 +25,10 @@ class Metrics:
         self.chats = Counter("kvmem_chat_requests", "Chat completions answered", ["mode", "stream"], registry=r)
         self.injected = Counter("kvmem_injected_tokens", "Prompt tokens injected from stored fact KV", registry=r)
         self.fallbacks = Counter("kvmem_fallbacks", "Facts served as text because their KV was unusable", registry=r)
+        self.saved = Counter("kvmem_prefill_tokens_saved", "Prompt tokens injected instead of prefilled, by the "
+                             "narrowest scope the chat named (user, agent, run)", ["scope"], registry=r)
+        self.fallback_reasons = Counter("kvmem_fallback_facts", "Facts of KV-mode chats prefilled as text, by why",
+                                        ["reason"], registry=r)
         self.rejected = Counter("kvmem_rejected_requests", "Requests refused without being served", ["reason"],
                                 registry=r)
         Gauge("kvmem_inflight_chats", "Chat requests being answered", registry=r).set_function(
@@ -33,11 +37,15 @@ class Metrics:
             lambda: float(runtime.mem is not None))
         r.register(_StoreCollector(runtime))
 
-    def observe_chat(self, result, stream: bool) -> None:
+    def observe_chat(self, result, stream: bool, scope: str = "user", trace=None) -> None:
+        """One answered chat; `trace` (trace.ChatTrace, when kept) gives each fact's way in."""
         self.ttft.labels(result.mode).observe(result.ttft_s)
         self.chats.labels(result.mode, str(stream).lower()).inc()
         self.injected.inc(result.injected_tokens)
         self.fallbacks.inc(result.fallbacks)
+        self.saved.labels(scope).inc(result.injected_tokens)
+        for reason, count in (trace.fallbacks if trace is not None else {}).items():
+            self.fallback_reasons.labels(reason).inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

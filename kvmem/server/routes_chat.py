@@ -42,13 +42,20 @@ async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentT
     messages = kvmem_messages(body.messages)
     _enter(rt, state.metrics)
     meta = new_meta(body.model)
+    if hasattr(mem, "trace"):  # the x-ray is kept under the completion's id
+        kwargs["chat_id"] = meta["id"]
+    scope = "run" if kwargs.get("run_id") else "agent" if kwargs.get("agent_id") else "user"
+
+    def observe(result, stream: bool) -> None:
+        trace = mem.trace(result.trace_id) if getattr(result, "trace_id", "") else None
+        state.metrics.observe_chat(result, stream, scope, trace)
     if body.stream:
         async def release() -> None:
             rt.gate.leave()
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await open_stream(rt, mem, messages, kwargs, meta=meta, include_usage=include_usage,
-                                 on_result=lambda r: state.metrics.observe_chat(r, True),
+                                 on_result=lambda r: observe(r, True),
                                  request_id=request.state.request_id, release=release)
     cancel = threading.Event()
     watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
@@ -59,7 +66,7 @@ async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentT
     finally:
         watcher.cancel()
         rt.gate.leave()
-    state.metrics.observe_chat(result, False)
+    observe(result, False)
     return completion(meta, result, kwargs["max_tokens"], mem.token_texts)
 
 
@@ -69,6 +76,18 @@ async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> No
     while (await request.receive())["type"] != "http.disconnect":
         pass
     cancel.set()
+
+
+@router.get("/v1/chats/{chat_id}/trace")
+async def chat_trace(chat_id: str, request: Request, tenant: CurrentTenant) -> dict:
+    """A recent chat's x-ray: its facts with scores, which went in as KV and which as text and why,
+    injected tokens, TTFT. Only the tenant that asked can read it; an old chat's is gone (404)."""
+    mem = request.app.state.runtime.require()
+    trace = mem.trace(chat_id)
+    if trace is None or not tenant.owns(trace.user_id):
+        raise ApiError(404, f"no trace of chat {chat_id!r}: unknown, another tenant's, or older than the "
+                       "scope's ring of memory.trace_chats", param="chat_id", code="not_found")
+    return {**trace.to_dict(), "user_id": tenant.local(trace.user_id)}
 
 
 def _tool_parser(mem) -> str:
