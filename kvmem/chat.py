@@ -262,7 +262,8 @@ class Chats:
         foreign = [f.id for f in facts if f.scope.user_id != user_id]
         if foreign:
             raise InvalidInputError(f"facts {foreign} do not belong to user {user_id!r}", param="fact_ids")
-        return facts
+        now = time.time()
+        return [f for f in facts if not f.expired(now)]  # an expired fact is never injected, named or not
 
     def finish(self, r: EngineResult, p: Prepared, args: ChatArgs) -> ChatResult:
         report = r.injection

@@ -10,6 +10,7 @@ a delete_all, or another process's delete heard on the feed.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 from tqdm import tqdm
@@ -21,7 +22,7 @@ from kvmem.facts.inputs import int_at_least
 from kvmem.facts.scope import Scope
 from kvmem.facts.store import MAX_LIMIT, FactRecord
 from kvmem.facts.text import check_nested, check_unicode, search_text
-from kvmem.index import Hit, fusion, matches, validate_filters
+from kvmem.index import Hit, fusion, matcher, validate_filters
 from kvmem.index.lexical import LexicalIndex
 from kvmem.index.tiered import TieredIndex
 from kvmem.results import SearchHit
@@ -141,16 +142,13 @@ class Retrieval:
                 filters: dict | None = None, limit: int = 100, offset: int = 0) -> list[FactRecord]:
         """The scope's facts in stored order, those whose metadata `filters` match (no ranking)."""
         Scope(user_id, agent_id, run_id)
-        check_nested("filters", filters)
-        norm = validate_filters(filters) if filters else None
-        where = (lambda md: matches(md, norm)) if norm else None
         return self.facts.list(user_id=user_id, agent_id=agent_id, run_id=run_id, limit=limit, offset=offset,
-                               where=where)
+                               where=metadata_filter(filters), live_at=time.time())
 
     def search(self, query: str, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
                k: int = 10, filters: dict | None = None, ranking: str | None = None) -> list[SearchHit]:
-        """The scope's top-k facts for `query`; `ranking` ("hybrid", "dense", "lexical") overrides
-        RetrievalConfig.mode for this call."""
+        """The scope's top-k facts for `query`, expired ones left out; `ranking` ("hybrid", "dense",
+        "lexical") overrides RetrievalConfig.mode for this call."""
         Scope(user_id, agent_id, run_id)
         if not int_at_least(k, 1):
             raise InvalidInputError(f"k must be an int >= 1, got {k!r}", param="k")
@@ -162,15 +160,26 @@ class Retrieval:
         check_nested("filters", filters)
         validate_filters(filters or {})  # the user's own filters, checked before scope keys join them
         conditions = {**(filters or {}), **{k_: v for k_, v in (("_agent_id", agent_id), ("_run_id", run_id)) if v}}
-        hits = self._rank(user_id, query, k, validate_filters(conditions) if conditions else None,
-                          ranking or self.config.mode)
-        records = [(h, self.facts.get(h.id)) for h in hits]
+        mode = ranking or self.config.mode
+        vector = None if mode == "lexical" else self.embedder.embed([query])[0]
+        records = self._live(user_id, query, vector, k, validate_filters(conditions) if conditions else None, mode)
         return [SearchHit(r.id, r.text, float(h.score), r.metadata, r.created_at, r.kv_status) for h, r in records]
 
-    def _rank(self, user_id: str, query: str, k: int, conditions, mode: str) -> list[Hit]:
+    def _live(self, user_id: str, query: str, vector, k: int, conditions, mode: str) -> list[tuple[Hit, FactRecord]]:
+        """The top k hits whose facts have not expired, ranked deeper by as many as had, until k
+        are live or the ranking runs out: expired facts stay indexed until the sweep forgets them."""
+        now, depth = time.time(), k
+        while True:
+            hits = self._rank(user_id, query, vector, depth, conditions, mode)
+            records = [(h, self.facts.get(h.id)) for h in hits]
+            live = [(h, r) for h, r in records if not r.expired(now)]
+            if len(live) >= k or len(hits) < depth:
+                return live[:k]
+            depth = k + len(records) - len(live)  # > depth: more than depth - k of them had expired
+
+    def _rank(self, user_id: str, query: str, vector, k: int, conditions, mode: str) -> list[Hit]:
         if mode == "lexical":
             return self.lexical.search(user_id, query, k, conditions)
-        vector = self.embedder.embed([query])[0]
         if mode == "dense":
             return self.dense.search(user_id, vector, k, conditions)
         return fusion.hybrid_search(self.dense, self.lexical, user_id, vector, query, k, conditions,
@@ -178,6 +187,13 @@ class Retrieval:
 
     def close(self) -> None:
         self._unsubscribe()
+
+
+def metadata_filter(filters: dict | None) -> Callable[[dict], bool] | None:
+    """`filters` checked and compiled once, as the fact store's `where(metadata)`; None for none."""
+    check_nested("filters", filters)
+    norm = validate_filters(filters) if filters else None
+    return matcher(norm) if norm else None
 
 
 def index_metadata(scope: Scope, metadata: dict) -> dict:

@@ -13,7 +13,7 @@ the README's code map says what each does) and hands them to each other.
 from __future__ import annotations
 
 import threading
-from datetime import datetime
+from datetime import date, datetime
 from typing import Iterator
 
 from kvmem.chat import MODES, ChatArgs, Chats  # noqa: F401 - MODES is part of the API
@@ -22,6 +22,7 @@ from kvmem.encoding import Encoder
 from kvmem.engine.sampling import Sampling
 from kvmem.engine.start import start_engine as start_engine_for
 from kvmem.facts import open_fact_store
+from kvmem.facts.expiry import KEEP
 from kvmem.facts.scope import Scope
 from kvmem.facts.store import FactRecord, HistoryEvent
 from kvmem.keeper import ENCODE_MODES, BlobKeeper  # noqa: F401 - ENCODE_MODES is part of the API
@@ -74,7 +75,8 @@ class KVMem:
     def add(self, messages: str | list[dict] | None = None, *, user_id: str, agent_id: str | None = None,
             run_id: str | None = None, facts: list[str] | None = None, metadata: dict | None = None,
             context: str = "", window: int | None = None, encode: str = "sync",
-            timestamp: str | datetime | None = None, origin: str = "") -> AddResult:
+            timestamp: str | datetime | None = None, origin: str = "",
+            expiration_date: str | date | None = None) -> AddResult:
         """Store facts (`facts=[...]`, or a str) or a conversation (a list of messages, one fact per turn).
 
         `timestamp` (facts only; messages carry their own): when the facts held or were said. It
@@ -82,9 +84,12 @@ class KVMem:
         and an ISO one becomes the facts' event_time. `context` (facts only): text each fact's KV is
         encoded after, and searched with. `origin` (facts only): the message the facts were drawn
         from; searched with them, never encoded or shown (on LoCoMo observations, recall@10 0.659
-        -> 0.695, while encoding after the message cost KV-mode log-likelihood)."""
+        -> 0.695, while encoding after the message cost KV-mode log-likelihood). `expiration_date`
+        (Mem0's: "2025-12-31" holds through that day, UTC; or a datetime): from then on the facts
+        are never searched, listed or injected, and the next sweep forgets them (sweep_expired)."""
         return self.writes.add(messages, Scope(user_id, agent_id, run_id), facts=facts, metadata=metadata,
-                               context=context, window=window, encode=encode, timestamp=timestamp, origin=origin)
+                               context=context, window=window, encode=encode, timestamp=timestamp, origin=origin,
+                               expiration_date=expiration_date)
 
     def encode_pending(self, timeout: float = 600.0) -> bool:
         """Block until the background encoder has nothing left to do (started now if this KVMem
@@ -92,9 +97,16 @@ class KVMem:
         (encoder := self.keeper.need_encoder()).start()
         return encoder.wait_idle(timeout)
 
-    def update(self, fact_id: str, text: str, metadata: dict | None = None) -> FactRecord:
-        """New text: re-embedded, re-indexed and re-encoded (the old KV is dropped at once)."""
-        return self.writes.update(fact_id, text, metadata)
+    def update(self, fact_id: str, text: str, metadata: dict | None = None, *,
+               expiration_date: str | date | None = KEEP) -> FactRecord:
+        """New text: re-embedded, re-indexed and re-encoded (the old KV is dropped at once).
+        `expiration_date`: a new one, or None for never; left out, the fact keeps its own."""
+        return self.writes.update(fact_id, text, metadata, expiration_date)
+
+    def sweep_expired(self) -> int:
+        """Forget the facts whose expiration_date has passed from every store (text, vectors, KV
+        blobs in every tier), as delete does; -> how many. Every add sweeps first as well."""
+        return self.writes.sweep_expired()
 
     def reembed(self, *, user_id: str | None = None, batch: int = 256, progress: bool = False) -> int:
         """Recompute every stored fact's search vector (one user's with `user_id`) the way `add`

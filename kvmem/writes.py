@@ -4,19 +4,23 @@ Writes store and index first, under the service's write lock, then encode (outsi
 runs the engine). A fact without usable KV is served by text prefill and re-encoded in the
 background. Forgetting a fact, for whatever reason, goes through one path (`_forget`): out of
 both indexes (Retrieval.unindex, which also frees its place in the disk budget) and its blob gone.
+Expired facts (kvmem.facts.expiry) leave by that path too, swept at the start of every add and on
+demand (`sweep_expired`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from kvmem.config import Config
+from kvmem.facts.expiry import KEEP, expires_at_of
 from kvmem.facts.inputs import CheckText, fact_items
 from kvmem.facts.scope import Scope
 from kvmem.facts.store import FactRecord
 from kvmem.keeper import BlobKeeper, check_encode_mode
 from kvmem.results import AddResult
-from kvmem.retrieval import Retrieval
+from kvmem.retrieval import Retrieval, metadata_filter
 
 
 class Writes:
@@ -29,10 +33,13 @@ class Writes:
         self._lock = lock
 
     def add(self, messages, scope: Scope, *, facts, metadata, context, window, encode, timestamp,
-            origin, from_turn: int = 0) -> AddResult:
+            origin, from_turn: int = 0, expiration_date=None) -> AddResult:
         """`from_turn`: store only a conversation's turns from this index on (those before are
-        still the window the first of them is encoded after)."""
+        still the window the first of them is encoded after). `expiration_date`: Mem0's, for
+        every fact of the call (kvmem.facts.expiry)."""
         check_encode_mode(encode)
+        expires_at = expires_at_of(expiration_date)
+        self.sweep_expired()
         items = fact_items(messages, facts, context=context, metadata=metadata, timestamp=timestamp, origin=origin,
                            window=self.config.memory.window if window is None else window,
                            template=self.config.prompt.fact_template, check_text=self._check_text)
@@ -42,7 +49,8 @@ class Writes:
         vectors = self.retrieval.vectors([i["text"] for i in items], [i["context"] for i in items],
                                          [i.get("origin", "") for i in items])  # [n, dim]
         with self._lock:
-            pairs = self.facts.add_many([dict(i, scope=scope, embedding=v) for i, v in zip(items, vectors)])
+            pairs = self.facts.add_many([dict(i, scope=scope, embedding=v, expires_at=expires_at)
+                                         for i, v in zip(items, vectors)])
             new = [r for r, created in pairs if created]
             for r in new:
                 self.retrieval.index(r, r.embedding)
@@ -61,12 +69,16 @@ class Writes:
                          timestamp=None, origin="", from_turn=last_user)
         return added.ids
 
-    def update(self, fact_id: str, text: str, metadata: dict | None) -> FactRecord:
+    def update(self, fact_id: str, text: str, metadata: dict | None, expiration_date=KEEP) -> FactRecord:
+        """`expiration_date`: a new expiry, None for never; left out (KEEP), the fact keeps its own."""
+        expires_at = KEEP if expiration_date is KEEP else expires_at_of(expiration_date)
         old = self.facts.get(fact_id)
         self._check_text(text, old.context)
         vector = self.retrieval.vectors([text.strip()], [old.context], [old.origin])[0]
         with self._lock:
             record = self.facts.update(fact_id, text.strip(), metadata=metadata, embedding=vector)
+            if expires_at is not KEEP:
+                self.facts.set_expiry(fact_id, expires_at)
             if record.text != old.text:
                 self.keeper.drop(fact_id)  # the old KV must never serve the new text
             self.retrieval.index(record, vector)
@@ -79,11 +91,22 @@ class Writes:
             record = self.facts.delete(fact_id)
             self._forget(record.scope.user_id, [fact_id])
 
-    def delete_all(self, scope: Scope) -> int:
+    def delete_all(self, scope: Scope, filters: dict | None = None) -> int:
+        """The scope's facts whose metadata `filters` match (all of them without), forgotten."""
+        where = metadata_filter(filters)  # checked before the lock: a bad filter deletes nothing
         with self._lock:
-            ids = self.facts.delete_scope(scope)
+            ids = self.facts.delete_scope(scope, where=where)
             self._forget(scope.user_id, ids)
         return len(ids)
+
+    def sweep_expired(self, now: float | None = None) -> int:
+        """Forget every fact expired by `now` (default: now) from every store, as a delete does:
+        text and history words, both indexes, the KV blob in every tier; -> how many."""
+        with self._lock:
+            gone = self.facts.delete_expired(time.time() if now is None else now)
+            for record in gone:
+                self._forget(record.scope.user_id, [record.id])
+        return len(gone)
 
     def _forget(self, user_id: str, fact_ids: list[str]) -> None:
         for fact_id in fact_ids:

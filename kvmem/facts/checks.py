@@ -8,6 +8,7 @@ the server never has to read the message to know which field was at fault.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
@@ -22,7 +23,7 @@ from kvmem.facts.text import check_fact_text, check_nested
 from kvmem.ids import check_fact_id
 
 ADD_KEYS = frozenset({"scope", "text", "metadata", "source", "context", "event_time", "position", "conversation_id",
-                      "embedding", "fact_id", "origin"})  # FactStore.add's keywords: what add_many items may hold
+                      "embedding", "fact_id", "origin", "expires_at"})  # FactStore.add's keywords: add_many items
 
 
 def new_row(
@@ -38,6 +39,7 @@ def new_row(
     embedding: Any = None,
     fact_id: str | None = None,
     origin: str = "",
+    expires_at: float | None = None,
 ) -> dict[str, Any]:
     """The facts row `add` inserts (times are stamped later, inside the transaction)."""
     if not isinstance(scope, Scope):
@@ -73,6 +75,7 @@ def new_row(
         "embedding": None if vec is None else vector_blob(vec),
         "embedding_dim": None if vec is None else vec.size,
         "origin": origin,
+        "expires_at": check_expires_at(expires_at),
     }
 
 
@@ -122,6 +125,16 @@ def check_event_time(value: object) -> str | None:
         raise InvalidInputError(f"event_time must be None, a datetime or an ISO 8601 string, got {value!r}",
                                 param="event_time") from None
     return value  # type: ignore[return-value]
+
+
+def check_expires_at(value: object) -> float | None:
+    """An expiry as stored: None (never) or seconds since the epoch (expiry.expires_at_of makes them)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidInputError(f"expires_at must be None or seconds since the epoch, got {value!r}",
+                                param="expiration_date")
+    return float(value)
 
 
 def check_page(limit: object, offset: object) -> None:

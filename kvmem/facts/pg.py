@@ -65,7 +65,10 @@ _CONNECT_TIMEOUT_S = 10
 _MAX_PAYLOAD = 8000  # bytes: PostgreSQL refuses a longer notification
 _POLL_S = 0.25  # how often a listener looks at its stop flag
 _BACKOFF_S = (0.1, 5.0)  # a listener's reconnect delay: first, longest
-_MIGRATIONS = ("ALTER TABLE facts ADD COLUMN IF NOT EXISTS origin TEXT NOT NULL DEFAULT ''",)  # schema 2 -> 3
+_MIGRATIONS = (
+    "ALTER TABLE facts ADD COLUMN IF NOT EXISTS origin TEXT NOT NULL DEFAULT ''",  # schema 2 -> 3
+    "ALTER TABLE facts ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION",  # schema 3 -> 4
+)
 
 
 class PgFactStore(FactStore):
@@ -141,7 +144,8 @@ class PgDialect:
             raise KvmemError(f"{self.where} was written by a newer kvmem (schema {version} > {SCHEMA_VERSION})")
         if version == SCHEMA_VERSION:
             return  # no DDL on every start: it locks the tables, and may need rights a gateway lacks
-        for statement in (*schema.statements(schema.POSTGRES), *_MIGRATIONS):
+        facts, *rest = schema.statements(schema.POSTGRES)
+        for statement in (facts, *_MIGRATIONS, *rest):  # an old table gains its columns before their indexes
             conn.execute(statement)
         conn.execute("INSERT INTO kvmem_meta (key, value) VALUES ('schema_version', ?) ON CONFLICT (key)"
                      " DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))

@@ -23,7 +23,7 @@ SOURCES = ("fact", "messages")
 HISTORY_EVENTS = ("ADD", "UPDATE", "DELETE")
 MAX_LIMIT = 10_000
 MAX_OFFSET = (1 << 63) - 1  # SQLite's largest integer: OFFSET overflows beyond it
-SCHEMA_VERSION = 3  # 2: kv_status 'evicted', table kv_usage; 3: column origin
+SCHEMA_VERSION = 4  # 2: kv_status 'evicted', table kv_usage; 3: column origin; 4: column expires_at
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,10 +48,14 @@ class FactRecord:
     embedding: np.ndarray | None  # float32, read-only
     embedding_dim: int | None
     origin: str  # the message a fact was drawn from: searched with it, never encoded
+    expires_at: float | None  # Mem0's expiration_date: from then on never served, and swept
 
     @property
     def scope(self) -> Scope:
         return Scope(self.user_id, self.agent_id, self.run_id)
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
 
     def __eq__(self, other: object) -> bool:
         # Written by hand because == on numpy arrays is elementwise, not a bool.

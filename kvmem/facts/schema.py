@@ -55,6 +55,7 @@ def facts_table(t: Types, name: str = "facts") -> str:
         f"embedding {t.bytes}",
         f"embedding_dim {t.integer}",
         "origin TEXT NOT NULL DEFAULT ''",
+        f"expires_at {t.time}",  # NULL: never
     ]
     return _table(name, [t.rowid, *columns] if t.rowid else columns)
 
@@ -81,6 +82,8 @@ def statements(t: Types) -> tuple[str, ...]:
         f"CREATE INDEX IF NOT EXISTS facts_order ON facts (created_at{tail})",
         f"CREATE INDEX IF NOT EXISTS facts_user_order ON facts (user_id, created_at{tail})",
         f"CREATE INDEX IF NOT EXISTS facts_kv ON facts (kv_status, kv_attempts, created_at{tail})",
+        # The sweep looks for expired facts on every write: a range read, not a scan of the table.
+        "CREATE INDEX IF NOT EXISTS facts_expiry ON facts (expires_at)",
         _table("history", history),
         "CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id, id)",
         _table("kv_usage", ["fact_id TEXT PRIMARY KEY", f"hits {t.integer} NOT NULL"]),

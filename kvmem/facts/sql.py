@@ -80,16 +80,22 @@ def log(conn: Connection, event: str, fact: Mapping[str, Any], old: str | None, 
 
 
 def filters(
-    user_id: str | None, agent_id: str | None, run_id: str | None, *, user_required: bool = False
-) -> tuple[str, list[str]]:
-    """(" WHERE ..." or "", its parameters) for a listing narrowed to the given scope fields."""
+    user_id: str | None, agent_id: str | None, run_id: str | None, *, user_required: bool = False,
+    live_at: float | None = None,
+) -> tuple[str, list[Any]]:
+    """(" WHERE ..." or "", its parameters) for a listing narrowed to the given scope fields, and
+    with `live_at` to the facts not expired by then."""
     given = {
         "user_id": check_scope_field("user_id", user_id, required=user_required),
         "agent_id": check_scope_field("agent_id", agent_id, required=False),
         "run_id": check_scope_field("run_id", run_id, required=False),
     }
-    used = {name: value for name, value in given.items() if value is not None}
-    clause = " AND ".join(f"{name} = ?" for name in used)
+    used: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
+    terms = [f"{name} = ?" for name in used]
+    if live_at is not None:
+        terms.append("(expires_at IS NULL OR expires_at > ?)")
+        used["live_at"] = live_at
+    clause = " AND ".join(terms)
     return (f" WHERE {clause}" if clause else ""), list(used.values())
 
 

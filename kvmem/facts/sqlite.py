@@ -111,6 +111,8 @@ def _connect(path: Path) -> sqlite3.Connection:
         _migrate_v1(conn)
     if version in (1, 2):
         _migrate_v2(conn)
+    if version in (1, 2, 3):
+        _migrate_v3(conn)
     for statement in schema.statements(schema.SQLITE):
         conn.execute(statement)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -120,7 +122,7 @@ def _connect(path: Path) -> sqlite3.Connection:
 def _migrate_v1(conn: sqlite3.Connection) -> None:
     """Schema 1 -> 2: kv_status may be 'evicted'. SQLite cannot alter a CHECK constraint, so the
     facts table is rebuilt (rowids kept: listings order by them), in one transaction."""
-    columns = ", ".join(f for f in FIELDS if f != "origin")  # schema 3's column comes with its default
+    columns = ", ".join(f for f in FIELDS if f not in ("origin", "expires_at"))  # later schemas' columns: defaults
     conn.execute("BEGIN IMMEDIATE")
     try:
         conn.execute(schema.facts_table(schema.SQLITE, "facts_v2"))
@@ -140,6 +142,13 @@ def _migrate_v2(conn: sqlite3.Connection) -> None:
     if "origin" not in {row["name"] for row in conn.execute("PRAGMA table_info(facts)")}:
         conn.execute("ALTER TABLE facts ADD COLUMN origin TEXT NOT NULL DEFAULT ''")
         log.info("fact store migrated to schema 3 (column origin)")
+
+
+def _migrate_v3(conn: sqlite3.Connection) -> None:
+    """Schema 3 -> 4: column expires_at (NULL, never, for every stored fact)."""
+    if "expires_at" not in {row["name"] for row in conn.execute("PRAGMA table_info(facts)")}:
+        conn.execute("ALTER TABLE facts ADD COLUMN expires_at REAL")
+        log.info("fact store migrated to schema 4 (column expires_at)")
 
 
 class _Guards:

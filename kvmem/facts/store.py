@@ -38,8 +38,10 @@ import numpy as np
 
 from kvmem.errors import InvalidInputError, KvmemError, UnknownFactError
 from kvmem.facts import sql
+from kvmem.facts.bulk import Bulk
 from kvmem.facts.checks import as_vector, check_item, check_page, check_text, lookup_id, metadata_json, new_row
 from kvmem.facts.dialect import Connection, Dialect
+from kvmem.facts.expiry import Expiry
 from kvmem.facts.records import (
     COLUMNS,
     KV_STATUSES,
@@ -63,7 +65,7 @@ __all__ = ["FactRecord", "FactStore", "HistoryEvent", "KV_STATUSES", "MAX_LIMIT"
 _CHUNK = 1000  # rows per lock hold when streaming, so long scans never starve writers
 
 
-class FactStore:
+class FactStore(Expiry, Bulk):
     """The facts of every user, in the SQLite file at `path` (PgFactStore: in PostgreSQL)."""
 
     def __init__(self, path: Path | str) -> None:
@@ -143,11 +145,13 @@ class FactStore:
         return record(row)
 
     def delete_scope(
-        self, scope: Scope | str, *, agent_id: str | None = None, run_id: str | None = None
+        self, scope: Scope | str, *, agent_id: str | None = None, run_id: str | None = None,
+        where: Callable[[dict[str, Any]], bool] | None = None,
     ) -> list[str]:
         """Forget every fact of a user, narrowed by agent_id/run_id where given; returns their ids.
 
         A Scope is read the same way: Scope("u") deletes all of u's facts, whatever their agent or run.
+        `where(metadata)` narrows it further, tested inside the transaction (so on the rows it deletes).
         """
         if isinstance(scope, Scope):
             if agent_id is not None or run_id is not None:
@@ -159,6 +163,8 @@ class FactStore:
         clause, params = sql.filters(user_id, agent_id, run_id, user_required=True)
         with self._tx() as conn:
             rows = conn.execute(f"SELECT {COLUMNS} FROM facts{clause} ORDER BY created_at, rowid", params).fetchall()
+            if where is not None:
+                rows = [row for row in rows if where(json.loads(row["metadata"]))]
             sql.forget(conn, rows)
             for row in rows:
                 self._dialect.changed(conn, "delete", row)
@@ -266,10 +272,12 @@ class FactStore:
         limit: int = 100,
         offset: int = 0,
         where: Callable[[dict[str, Any]], bool] | None = None,
+        live_at: float | None = None,
     ) -> list[FactRecord]:
-        """Facts oldest first; `where(metadata)` filters before offset/limit are applied."""
+        """Facts oldest first; `where(metadata)` filters before offset/limit are applied, and
+        `live_at` (a time) leaves out the facts expired by then."""
         check_page(limit, offset)
-        clause, params = sql.filters(user_id, agent_id, run_id)
+        clause, params = sql.filters(user_id, agent_id, run_id, live_at=live_at)
         if where is None:
             query = f"SELECT {COLUMNS} FROM facts{clause} ORDER BY created_at, rowid LIMIT ? OFFSET ?"
             with self._lock:
@@ -313,8 +321,13 @@ class FactStore:
             yield (row["id"], row["scope_key"], row["text"], row["context"], row["origin"],
                    json.loads(row["metadata"]))
 
-    def count(self, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> int:
-        clause, params = sql.filters(user_id, agent_id, run_id)
+    def count(self, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None, *,
+              where: Callable[[dict[str, Any]], bool] | None = None, live_at: float | None = None) -> int:
+        """Facts of the scope (all without one); with `where(metadata)`, those it passes; with
+        `live_at`, those not expired by then."""
+        clause, params = sql.filters(user_id, agent_id, run_id, live_at=live_at)
+        if where is not None:
+            return sum(1 for fact in self._scan(clause, params) if where(fact.metadata))
         with self._lock:
             return self._open().execute(f"SELECT count(*) FROM facts{clause}", params).fetchone()[0]
 

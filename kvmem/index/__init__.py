@@ -3,6 +3,7 @@
 from kvmem.index.base import Hit, VectorIndex
 from kvmem.index.exact import ExactIndex
 from kvmem.index.filters import OPERATORS, Condition, Filters, matcher, matches, validate_filters
+from kvmem.index.predicates import Logic
 
 __all__ = [
     "OPERATORS",
@@ -10,6 +11,7 @@ __all__ = [
     "ExactIndex",
     "Filters",
     "Hit",
+    "Logic",
     "VectorIndex",
     "matcher",
     "matches",

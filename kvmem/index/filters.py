@@ -1,10 +1,27 @@
-"""Mem0-style metadata filters: `{"key": value}` or `{"key": {"op": value, ...}}`, all ANDed.
+"""Mem0's metadata filter language, checked where filters enter and compiled to predicates.
 
-Operators: eq, ne, in, nin, gt, gte, lt, lte. Range operators take a number or a date
-(ISO-8601 string, `date` or `datetime`); a date bound compares metadata as datetimes, and
-metadata that is not a date (or not a number, for a number bound) simply does not match.
-`ne`/`nin` are the exact negations of `eq`/`in`, so a missing key matches them and nothing else.
-Naive datetimes are taken as UTC so they can be compared with aware ones.
+A filter is a dict whose entries are all ANDed. An entry is a condition on a metadata key, or a
+logical operator over a list of such dicts (each dict's own entries ANDed), nested as deep as
+MAX_DEPTH:
+
+    {"user": "ana"}                                   eq, the shorthand
+    {"n": {"gte": 1, "lt": 10}}                       every operator of a key must hold
+    {"category": "*"}                                 wildcard: the key is there and not null
+    {"AND": [{"a": 1}, {"OR": [{"b": 2}, {"c": {"icontains": "x"}}]}]}
+    {"NOT": [{"status": "archived"}, {"status": "deleted"}]}   neither of them
+    {"NOT": {"tags": {"contains": "spam"}}}           NOT also takes one dict
+
+Operators: eq, ne, in, nin, gt, gte, lt, lte, contains, icontains. Range operators take a
+number or a date (ISO-8601 string, `date` or `datetime`); a date bound compares metadata as
+datetimes, and metadata that is not a date (or not a number, for a number bound) simply does
+not match. `contains` / `icontains` take a string: a substring of a string value, or of any
+string in a list value (icontains compares casefolded); other values do not match.
+`ne`/`nin` are the exact negations of `eq`/`in`, so a missing key matches them and nothing else
+(Mem0: "ne includes NULLs"); NOT is the exact negation of the OR of its dicts. The wildcard is
+only the shorthand `{"key": "*"}`; `{"key": {"eq": "*"}}` matches the string "*". Naive
+datetimes are taken as UTC so they can be compared with aware ones. AND / OR need a non-empty
+list of non-empty dicts (an empty one is almost always a client's bug, and `{"OR": []}` would
+quietly match nothing); docs/filters.md has the table.
 """
 
 from __future__ import annotations
@@ -15,36 +32,68 @@ from numbers import Real
 from typing import Any
 
 from kvmem.errors import InvalidInputError
-from kvmem.index.predicates import Condition, as_datetime, compile_conditions
+from kvmem.index.predicates import Condition, Logic, Node, as_datetime, compile_conditions
 
 EQUALITY_OPS = ("eq", "ne")
 MEMBERSHIP_OPS = ("in", "nin")
 RANGE_OPS = ("gt", "gte", "lt", "lte")
-OPERATORS = EQUALITY_OPS + MEMBERSHIP_OPS + RANGE_OPS
-LOGICAL_KEYS = ("AND", "OR", "NOT")  # Mem0 has them; we refuse rather than misread them as keys
+TEXT_OPS = ("contains", "icontains")
+OPERATORS = EQUALITY_OPS + MEMBERSHIP_OPS + RANGE_OPS + TEXT_OPS
+LOGICAL_KEYS = ("AND", "OR", "NOT")  # so no metadata key of these names can be filtered on
+WILDCARD = "*"
+MAX_DEPTH = 16  # logical operators inside each other; deeper is refused, not recursed into
 SCALARS = (str, Real, type(None), date)  # Real covers bool and numpy numbers; datetime is a date
 
-Filters = tuple[Condition, ...]
+Filters = tuple[Node, ...]  # ANDed; a flat filter is all Conditions, as before logic came
 
 
 def validate_filters(filters: Mapping[str, Any] | Filters | None) -> Filters:
     """Check `filters` and return them as conditions; raises InvalidInputError on bad input."""
     if filters is None:
         return ()
-    if isinstance(filters, tuple) and all(isinstance(c, Condition) for c in filters):
+    if isinstance(filters, tuple) and all(isinstance(c, (Condition, Logic)) for c in filters):
         return filters  # already validated
     if not isinstance(filters, Mapping):
         raise InvalidInputError(f"filters must be a dict, got {type(filters).__name__}", param="filters")
-    conditions: list[Condition] = []
+    return _conjunction(filters, 0)
+
+
+def _conjunction(filters: Mapping[Any, Any], depth: int) -> Filters:
+    """One dict's entries, ANDed, as nodes in the dict's order."""
+    nodes: list[Node] = []
     for key, spec in filters.items():
+        if key in LOGICAL_KEYS:
+            nodes.append(_logic(key, spec, depth + 1))
+            continue
         _check_key(key)
         if isinstance(spec, Mapping):
             if not spec:
                 raise InvalidInputError(f"filter on {key!r} has no operator", param="filters")
-            conditions.extend(_condition(key, op, value) for op, value in spec.items())
+            nodes.extend(_condition(key, op, value) for op, value in spec.items())
+        elif isinstance(spec, str) and spec == WILDCARD:
+            nodes.append(Condition(key, WILDCARD, None))
         else:
-            conditions.append(_condition(key, "eq", spec))
-    return tuple(conditions)
+            nodes.append(_condition(key, "eq", spec))
+    return tuple(nodes)
+
+
+def _logic(op: str, spec: Any, depth: int) -> Logic:
+    if depth > MAX_DEPTH:
+        raise InvalidInputError(f"filters nest AND / OR / NOT deeper than {MAX_DEPTH} levels", param="filters")
+    if op == "NOT" and isinstance(spec, Mapping):
+        spec = [spec]
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise InvalidInputError(f"{op!r} needs a non-empty list of conditions, got {_shown(spec)}",
+                                param="filters")
+    for item in spec:
+        if not isinstance(item, Mapping) or not item:
+            raise InvalidInputError(f"{op!r} items must be non-empty dicts of conditions, got {_shown(item)}",
+                                    param="filters")
+    return Logic(op, tuple(_conjunction(item, depth) for item in spec))
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if isinstance(value, (list, tuple, dict)) and not value else type(value).__name__
 
 
 def matches(metadata: Mapping[str, Any] | None, filters: Mapping[str, Any] | Filters | None) -> bool:
@@ -60,9 +109,6 @@ def matcher(filters: Mapping[str, Any] | Filters | None) -> Callable[[Mapping[st
 def _check_key(key: Any) -> None:
     if not isinstance(key, str) or not key:
         raise InvalidInputError(f"filter keys must be non-empty strings, got {key!r}", param="filters")
-    if key in LOGICAL_KEYS:
-        raise InvalidInputError(f"logical operator {key!r} is not supported; top-level conditions are ANDed",
-                                param="filters")
 
 
 def _condition(key: str, op: Any, value: Any) -> Condition:
@@ -72,6 +118,11 @@ def _condition(key: str, op: Any, value: Any) -> Condition:
         )
     if op in RANGE_OPS:
         return Condition(key, op, _range_bound(key, op, value))
+    if op in TEXT_OPS:
+        if not isinstance(value, str):
+            raise InvalidInputError(f"{op!r} on {key!r} needs a string, got {type(value).__name__}",
+                                    param="filters")
+        return Condition(key, op, value)
     if op in MEMBERSHIP_OPS:
         if not isinstance(value, (list, tuple)):
             raise InvalidInputError(f"{op!r} on {key!r} needs a list, got {type(value).__name__}",

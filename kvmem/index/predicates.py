@@ -2,7 +2,8 @@
 
 A filtered search calls these for every row of a scope, so the per-row work is kept to a
 dict lookup and one comparison: operators are resolved at compile time, `in` lists become
-sets, and ISO date strings are parsed through a cache.
+sets, and ISO date strings are parsed through a cache. AND / OR / NOT nodes compile to
+closures over their groups' closures, so nesting costs one call per level, not a re-read.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ class Condition:
     value: Any
 
 
+@dataclass(frozen=True)
+class Logic:
+    """AND / OR / NOT over `groups`; each group is one dict of the filter's list, its entries ANDed.
+
+    Frozen and made of tuples, so a whole filter stays hashable: scopes remember the rows passing
+    a filter under the filter itself (kvmem.index.remembered)."""
+
+    op: str
+    groups: tuple[tuple[Condition | Logic, ...], ...]
+
+
+Node = Condition | Logic
 Predicate = Callable[[Mapping[str, Any]], bool]
 Test = Callable[[Any], bool]
 
@@ -36,18 +49,42 @@ _MISSING = object()
 _RANGE = {"gt": operator.gt, "gte": operator.ge, "lt": operator.lt, "lte": operator.le}
 
 
-def compile_conditions(conditions: Iterable[Condition]) -> Callable[[Mapping[str, Any] | None], bool]:
+def compile_conditions(conditions: Iterable[Node]) -> Callable[[Mapping[str, Any] | None], bool]:
     """One predicate that is True when metadata satisfies every condition."""
-    preds = [_predicate(c) for c in conditions]
+    pred = _all_of(conditions)
+    return lambda metadata: pred(metadata or {})
 
-    def match(metadata: Mapping[str, Any] | None) -> bool:
-        metadata = metadata or {}
+
+def _all_of(nodes: Iterable[Node]) -> Predicate:
+    preds = [_node(n) for n in nodes]
+    if len(preds) == 1:
+        return preds[0]
+
+    def match(metadata: Mapping[str, Any]) -> bool:
         for pred in preds:  # a plain loop: all() over a generator costs more per row
             if not pred(metadata):
                 return False
         return True
 
     return match
+
+
+def _node(node: Node) -> Predicate:
+    if isinstance(node, Condition):
+        return _predicate(node)
+    groups = [_all_of(g) for g in node.groups]
+
+    def any_group(metadata: Mapping[str, Any]) -> bool:
+        for group in groups:
+            if group(metadata):
+                return True
+        return False
+
+    if node.op == "OR":
+        return any_group
+    if node.op == "NOT":  # Mem0's NOT [a, b] keeps what matches neither
+        return lambda metadata: not any_group(metadata)
+    return _all_of(c for g in node.groups for c in g)  # AND of ANDs is one flat AND
 
 
 def as_datetime(value: Any) -> datetime | None:
@@ -72,10 +109,14 @@ def _parse_iso(text: str) -> datetime | None:
 
 def _predicate(cond: Condition) -> Predicate:
     key = cond.key
+    if cond.op == "*":  # Mem0's wildcard: the key is there and holds a value
+        return lambda meta: meta.get(key) is not None
     if cond.op in ("eq", "ne"):
         test = _equals_test(cond.value)
     elif cond.op in ("in", "nin"):
         test = _member_test(cond.value)
+    elif cond.op in ("contains", "icontains"):
+        test = _contains_test(cond.value, fold=cond.op == "icontains")
     else:
         test = _range_test(cond.op, cond.value)
     if cond.op in ("ne", "nin"):  # exact negations, so a missing key matches them
@@ -122,3 +163,18 @@ def _range_test(op: str, bound: Real | datetime) -> Test:
         return isinstance(actual, Real) and not isinstance(actual, bool) and compare(actual, bound)
 
     return on_dates if isinstance(bound, datetime) else on_numbers
+
+
+def _contains_test(needle: str, *, fold: bool) -> Test:
+    """A substring of a string value, or of any string in a list value (Mem0's tags and categories)."""
+    norm = str.casefold if fold else (lambda text: text)
+    needle = norm(needle)
+
+    def test(actual: Any) -> bool:
+        if isinstance(actual, str):
+            return needle in norm(actual)
+        if isinstance(actual, list):
+            return any(isinstance(item, str) and needle in norm(item) for item in actual)
+        return False
+
+    return test

@@ -5,6 +5,7 @@ A fact id that is unknown or belongs to another tenant answers 404, the same way
 
 from __future__ import annotations
 
+import json
 import time
 from functools import partial
 
@@ -12,6 +13,7 @@ from fastapi import APIRouter, Query, Request
 
 from kvmem.errors import UnknownFactError
 from kvmem.facts.store import MAX_OFFSET
+from kvmem.retrieval import metadata_filter
 from kvmem.server import views
 from kvmem.server.errors import ApiError, not_found
 from kvmem.server.schemas import AddMemories, SearchMemories, UpdateMemory
@@ -55,7 +57,8 @@ async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenan
     started = time.time()
     add = partial(mem.add, messages, facts=body.facts, user_id=tenant.user_id(body.user_id),
                   agent_id=body.agent_id, run_id=body.run_id, metadata=body.metadata, window=body.window,
-                  encode=body.encode, timestamp=body.timestamp, origin=body.origin)
+                  encode=body.encode, timestamp=body.timestamp, origin=body.origin,
+                  expiration_date=body.expiration_date)
     result = await rt.call(add)
     records, seen, results = await rt.call(_records, mem, result.ids), set(), []
     for r in records:
@@ -65,24 +68,42 @@ async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenan
     return {"results": results, "created": result.created, "duplicates": result.duplicates}
 
 
+FILTERS_QUERY = Query(None, description='metadata filters as a JSON object, e.g. {"OR": [{"a": 1}, {"b": "*"}]}')
+
+
+def _filters(text: str | None) -> dict | None:
+    """The `filters` query parameter: a JSON object (docs/filters.md), or absent."""
+    if text is None:
+        return None
+    try:
+        filters = json.loads(text)
+    except ValueError:
+        raise ApiError(400, "filters must be a JSON object", param="filters", code="invalid_value") from None
+    if not isinstance(filters, dict):
+        raise ApiError(400, f"filters must be a JSON object, got {type(filters).__name__}", param="filters",
+                       code="invalid_value")
+    return filters
+
+
 @router.get("")
 @router.get("/", include_in_schema=False)
 async def list_memories(request: Request, tenant: CurrentTenant, user_id: str, agent_id: str | None = None,
                         run_id: str | None = None, limit: int = Query(100, ge=1, le=1000),
-                        offset: int = Query(0, ge=0, le=MAX_OFFSET)) -> dict:
+                        offset: int = Query(0, ge=0, le=MAX_OFFSET), filters: str | None = FILTERS_QUERY) -> dict:
     rt, mem = _runtime(request)
-    scope = {"user_id": tenant.user_id(user_id), "agent_id": agent_id, "run_id": run_id}
-    records = await rt.call(partial(mem.get_all, **scope, limit=limit, offset=offset))
-    total = await rt.call(partial(mem.facts.count, **scope))
+    scope, conditions = {"user_id": tenant.user_id(user_id), "agent_id": agent_id, "run_id": run_id}, _filters(filters)
+    records = await rt.call(partial(mem.get_all, **scope, filters=conditions, limit=limit, offset=offset))
+    total = await rt.call(partial(mem.facts.count, **scope, where=metadata_filter(conditions), live_at=time.time()))
     return {"results": [views.memory(r, tenant) for r in records], "total": total, "limit": limit, "offset": offset}
 
 
 @router.delete("")
 @router.delete("/", include_in_schema=False)
 async def delete_scope(request: Request, tenant: CurrentTenant, user_id: str, agent_id: str | None = None,
-                       run_id: str | None = None) -> dict:
+                       run_id: str | None = None, filters: str | None = FILTERS_QUERY) -> dict:
     rt, mem = _runtime(request)
-    n = await rt.call(partial(mem.delete_all, user_id=tenant.user_id(user_id), agent_id=agent_id, run_id=run_id))
+    n = await rt.call(partial(mem.delete_all, user_id=tenant.user_id(user_id), agent_id=agent_id, run_id=run_id,
+                              filters=_filters(filters)))
     return {"deleted": n, "message": f"{n} memories deleted"}
 
 
@@ -108,7 +129,9 @@ async def update_memory(memory_id: str, body: UpdateMemory, request: Request,
     """New text is re-embedded and re-encoded; the old KV is dropped at once."""
     rt, mem = _runtime(request)
     await _owned(rt, mem, tenant, memory_id)
-    return views.memory(await rt.call(partial(mem.update, memory_id, body.text, metadata=body.metadata)), tenant)
+    expiry = {"expiration_date": body.expiration_date} if "expiration_date" in body.model_fields_set else {}
+    return views.memory(await rt.call(partial(mem.update, memory_id, body.text, metadata=body.metadata, **expiry)),
+                        tenant)
 
 
 @router.delete("/{memory_id}")

@@ -111,6 +111,7 @@ class AddMemories(_Scope):
     timestamp: str | None = None  # facts only: when they held ("2023-05-09" or free text)
     origin: str = ""  # facts only: the message they were drawn from (searched with them, not encoded)
     encode: Literal["background", "sync"] = "background"
+    expiration_date: str | None = None  # Mem0's: "2025-12-31" (through that day, UTC) or an ISO datetime
 
 
 class SearchMemories(_Scope):
@@ -122,3 +123,4 @@ class SearchMemories(_Scope):
 class UpdateMemory(_Strict):
     text: str = Field(validation_alias=AliasChoices("text", "memory"))
     metadata: dict[str, Any] | None = None
+    expiration_date: str | None = None  # left out: unchanged; null: never expires

@@ -25,6 +25,7 @@ def memory(record, tenant: Tenant, **extra) -> dict:
         "source": record.source,
         "event_time": record.event_time,
         "origin": record.origin,
+        "expiration_date": iso(record.expires_at) if record.expires_at is not None else None,
         **extra,
     }
 

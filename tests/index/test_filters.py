@@ -156,8 +156,12 @@ def test_validate_returns_conditions_and_accepts_them_back():
         ({"n": {"gte": object()}}, "range operator 'gte' on 'n' needs a number or an ISO-8601 date"),
         ({"": 1}, "filter keys must be non-empty strings"),
         ({3: 1}, "filter keys must be non-empty strings, got 3"),
-        ({"OR": [{"a": 1}, {"b": 2}]}, "logical operator 'OR' is not supported"),
-        ({"AND": [{"a": 1}]}, "logical operator 'AND' is not supported"),
+        ({"OR": []}, "'OR' needs a non-empty list of conditions, got []"),
+        ({"AND": {"a": 1}}, "'AND' needs a non-empty list of conditions, got dict"),
+        ({"OR": [{"a": 1}, {}]}, "'OR' items must be non-empty dicts of conditions, got {}"),
+        ({"NOT": ["a"]}, "'NOT' items must be non-empty dicts of conditions, got str"),
+        ({"AND": [{"OR": [{"n": {"gt": "soon"}}]}]}, "range operator 'gt' on 'n' needs a number or an ISO-8601"),
+        ({"s": {"contains": 3}}, "'contains' on 's' needs a string, got int"),
     ],
 )
 def test_invalid_filters(filters, message):
