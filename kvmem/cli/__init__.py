@@ -1,7 +1,8 @@
 """kvmem's command line (`kvmem`, `python -m kvmem.cli`); `main` is the console script.
 
 One module per concern: parser.py (the command table and the options every command shares),
-memory.py (add, search, chat, forget, reembed), demo.py, serve.py (replica, serve, gateway),
+memory.py (add, search, chat, forget, reembed), inspect_cmd.py (list, get, history, update,
+stats), transfer_cmd.py (export, import), demo.py, serve.py (replica, serve, gateway),
 config_cmd.py (config show); `kvmem bench|eval` and `kvmem tune-reader` bring their own tables
 (kvmem/bench/cli.py, kvmem/tune/cli.py). Every command's Config comes from one overlay
 (kvmem/config_overlay.py): defaults < --config file < KVMEM_* variables < flags. This package is
@@ -20,6 +21,10 @@ from kvmem.errors import KvmemError
 
 __all__ = ["build_parser", "leaf_commands", "main"]
 
+# Commands that read the fact store alone: they load no Hugging Face model, so they skip
+# transformers' import (a second of a cold start) that quieting its progress bars costs.
+STORE_ONLY = frozenset({"list", "get", "history", "stats", "export"})
+
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, build the Config through the overlay, run the command: 0 on success, 1 on a kvmem
@@ -33,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_server(args)
     if args.command == "forget" and not args.all and not args.ids:
         parser.error("forget: give fact ids or --all")
-    _quiet_logs(args.verbose)
+    _quiet_logs(args.verbose, hf=args.command not in STORE_ONLY)
     try:
         return args.func(args, from_args(args).config)
     except KvmemError as e:
@@ -41,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _quiet_logs(verbose: bool) -> None:
-    """WARNING and up only, unless -v: kvmem's progress bars stay, the libraries' chatter goes."""
+def _quiet_logs(verbose: bool, hf: bool = True) -> None:
+    """WARNING and up only, unless -v: kvmem's progress bars stay, the libraries' chatter goes
+    (`hf`: the command may load a Hugging Face model, whose bars go too)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if not verbose:
+    if not verbose and hf:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" bars on every command; kvmem's own bars stay

@@ -1,8 +1,8 @@
 """`kvmem add | search | chat | forget | reembed`: a user's memory from the command line.
 
 `add --no-encode`, `search`, `forget` and `reembed` never start the inference engine; `add` and
-`chat` do. Every command gets its Config from the overlay (kvmem.cli.main), never reads flags
-of its own into it.
+`chat` do; `search` does not even read the chat model (inspect_cmd.open_search). Every command
+gets its Config from the overlay (kvmem.cli.main), never reads flags of its own into it.
 """
 
 from __future__ import annotations
@@ -117,13 +117,13 @@ def _json_arg(flag: str, raw: str | None, kind, *, label: str | None = None):
 
 
 def cmd_search(args: argparse.Namespace, config: Config) -> int:
-    """The user's facts most similar to a query (no engine needed)."""
-    from kvmem.service import KVMem
+    """The user's facts most similar to a query (no engine needed, nor the chat model)."""
+    from kvmem.cli.inspect_cmd import open_search
 
     filters = _json_arg("--filters", args.filters, dict)
-    with KVMem(config, start_engine=False, background=False) as mem:
-        hits = mem.search(args.query, user_id=args.user, agent_id=args.agent, run_id=args.run, k=args.k,
-                          filters=filters)
+    with open_search(config) as retrieval:
+        hits = retrieval.search(args.query, user_id=args.user, agent_id=args.agent, run_id=args.run, k=args.k,
+                                filters=filters)
     if args.json:
         for rank, h in enumerate(hits, 1):
             print(json.dumps({"rank": rank, "id": h.id, "score": round(h.score, 6), "text": h.text,

@@ -13,8 +13,10 @@ from kvmem.config_overlay import add_common_options
 DESCRIPTION = """kvmem command line: store, search, chat with and forget a user's memory; `kvmem demo` shows it all.
 
 Memory lives in the data folder (--home, default $KVMEM_HOME or ~/.cache/kvmem). `add --no-encode`,
-`search` and `forget` never start the inference engine; `add`, `chat` and `demo` do (vLLM, about a
-minute on a CPU host). Every command takes --home, --models-home, --model, --config and -v, before
+`search`, `forget`, `reembed`, `list`, `get`, `history`, `update`, `stats`, `export` and `import` never
+start the inference engine, and `search`, `list`, `get`, `history`, `stats`, `export` and `import` do
+not even read the chat model (docs/cli.md); `add`, `chat` and `demo` start it (vLLM, about a minute
+on a CPU host). Every command takes --home, --models-home, --model, --config and -v, before
 or after its name; `kvmem config show` prints the configuration they give and where each value
 came from (defaults < --config file < KVMEM_* variables < flags).
 """
@@ -25,7 +27,7 @@ SERVERS = ("serve", "gateway")  # parse their flags with kvmem.server's table; a
 def build_parser() -> argparse.ArgumentParser:
     """The whole command table (an argparse table)."""
     from kvmem.bench import cli as bench_cli
-    from kvmem.cli import config_cmd, demo, memory, serve
+    from kvmem.cli import config_cmd, demo, inspect_cmd, memory, serve, transfer_cmd
     from kvmem.tune import cli as reader_cli
 
     # allow_abbrev=False: else chat's --mode would be read as an ambiguous prefix of --model/--models-home.
@@ -34,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_options(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     memory.add_parsers(sub)
+    inspect_cmd.add_parsers(sub)
+    transfer_cmd.add_parsers(sub)
     demo.add_parser(sub)
     serve.add_parsers(sub)
     reader_cli.add_bench_parser(bench_cli.add_parsers(sub))

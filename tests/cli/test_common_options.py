@@ -22,6 +22,11 @@ REQUIRED = {
     ("search",): ["--user", "u", "a query"],
     ("chat",): ["--user", "u"],
     ("forget",): ["--user", "u", "--all"],
+    ("get",): ["f-1"],
+    ("history",): ["f-1"],
+    ("update",): ["f-1", "new text"],
+    ("export",): ["--all"],
+    ("import",): ["facts.jsonl"],
     ("gateway",): ["--replicas", "http://127.0.0.1:9"],
 }
 COMMANDS = [path for path, _ in leaf_commands(build_parser())]
@@ -29,7 +34,8 @@ COMMANDS = [path for path, _ in leaf_commands(build_parser())]
 
 def test_the_walk_finds_every_kind_of_command():
     assert {("add",), ("chat",), ("demo",), ("replica",), ("serve",), ("gateway",), ("bench", "ttft"),
-            ("eval", "locomo"), ("tune-reader",), ("config", "show")} <= set(COMMANDS)
+            ("eval", "locomo"), ("tune-reader",), ("config", "show"), ("list",), ("get",), ("history",),
+            ("update",), ("stats",), ("export",), ("import",)} <= set(COMMANDS)
 
 
 def _config(args):
