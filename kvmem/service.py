@@ -136,6 +136,10 @@ class KVMem:
         return self.retrieval.get_all(user_id=user_id, agent_id=agent_id, run_id=run_id, filters=filters,
                                       limit=limit, offset=offset)
 
+    def count(self, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
+              filters: dict | None = None) -> int:
+        return self.retrieval.count(user_id=user_id, agent_id=agent_id, run_id=run_id, filters=filters)
+
     def history(self, fact_id: str) -> list[HistoryEvent]:
         return self.facts.history(fact_id)
 
@@ -170,6 +174,18 @@ class KVMem:
         (read as `chat` reads them, `reader` included)."""
         args = ChatArgs(user_id, k=1, fact_ids=fact_ids, mode=mode, max_tokens=1)
         return self.chats.score(messages, answer, args, reader=reader)
+
+    def scopes(self, user_prefix: str = ""):
+        """Every scope (user, agent, run) whose user id starts with `user_prefix`: keeper.ScopeSummary."""
+        return self.keeper.scopes(user_prefix)
+
+    def blob(self, fact_id: str):
+        """Where the fact's KV blob is and its size (keeper.BlobInfo)."""
+        return self.keeper.blob(fact_id)
+
+    def recent_chats(self, user_id: str) -> list:
+        """The x-rays the user's scope still keeps (trace.ChatTrace), newest first."""
+        return self.chats.traces.recent(user_id)
 
     def trace(self, chat_id: str):
         """A recent chat's x-ray (trace.ChatTrace, by ChatResult.trace_id); None once its scope's ring dropped it."""

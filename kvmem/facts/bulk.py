@@ -323,3 +323,14 @@ class Bulk:
         clause, params = sql.filters(user_id, None, None)
         with self._lock:
             return tally(self._open(), clause, params, top)
+
+    def scope_ids(self, user_prefix: str = "") -> builtins.list[tuple[str, Scope]]:
+        """Every live fact's id and scope whose user id starts with `user_prefix` (a tenant's), in
+        one query: what the inspector page counts its scopes from."""
+        now = time.time()
+        with self._lock:
+            rows = self._open().execute(
+                "SELECT id, user_id, agent_id, run_id FROM facts WHERE substr(user_id, 1, ?) = ?"
+                " AND (expires_at IS NULL OR expires_at > ?) ORDER BY user_id, agent_id, run_id",
+                (len(user_prefix), user_prefix, now)).fetchall()
+        return [(row[0], Scope(row[1], row[2], row[3])) for row in rows]

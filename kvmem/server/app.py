@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from kvmem.config import Config
-from kvmem.server import errors, routes_chat, routes_memory, routes_ops
+from kvmem.server import errors, routes_chat, routes_memory, routes_ops, ui
 from kvmem.server.metrics import Metrics
 from kvmem.server.middleware import BodyLimit, RequestContext
 from kvmem.server.runtime import Runtime
@@ -62,6 +62,8 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
     errors.install(app)
     for module in (routes_chat, routes_memory, routes_ops):
         app.include_router(module.router)
+    if settings.ui:
+        ui.install(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestContext)  # added last: outermost, so it also tags 413s
     return app

@@ -53,6 +53,7 @@ class ServerSettings:
     # /docs, /redoc and /openapi.json, served without a key: they describe the API and hold no
     # tenant's data. False removes all three (for servers that must not advertise their API).
     docs: bool = True
+    ui: bool = True  # the inspector page at /ui (docs/ui.md), behind the same keys as the API
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant
 
     def __post_init__(self) -> None:
