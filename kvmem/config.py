@@ -98,7 +98,7 @@ class KVConfig:
     text_facts: int = 0
 
     def __post_init__(self) -> None:
-        from kvmem.kv.codec import check_codec
+        from kvmem.kv.codec_names import check_codec  # not kv.codec: that imports torch
 
         check_codec(self.codec)
         # bool is an int to Python, not a count: True must not mean "one fact".

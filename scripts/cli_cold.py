@@ -147,16 +147,16 @@ PHASES = """
 import sys, threading, time
 marks = [("start", time.perf_counter())]
 def mark(name): marks.append((name, time.perf_counter()))
-import kvmem.cli; kvmem.cli.build_parser(); mark("kvmem's command table (imports torch via kvmem.config)")
-from transformers.utils import logging; mark("transformers (quieting its progress bars)")
+import kvmem.cli; kvmem.cli.build_parser(); mark("kvmem's command table (no torch, no transformers)")
 from kvmem.config import Config
-from kvmem.embed import default_embedder
+from kvmem.embed.numpy_minilm import NumpyMiniLMEmbedder
 from kvmem.facts import FactStore
 from kvmem.retrieval import Retrieval
 store = FactStore(sys.argv[1] + "/facts.sqlite")
-retrieval = Retrieval(store, default_embedder(), Config().retrieval, threading.RLock())
+embedder = NumpyMiniLMEmbedder()
+retrieval = Retrieval(store, embedder, Config().retrieval, threading.RLock())
 mark("dense and word indexes of every fact built from the store")
-default_embedder().embed(["warm up"]); mark("embedder loaded (transformers' modeling stack) + first forward")
+embedder.embed(["warm up"]); mark("query embedder loaded (NumPy MiniLM) + first forward")
 retrieval.search("Who plays the violin?", user_id="ops-user"); mark("the search itself (query embedded, ranked)")
 for (_, a), (name, b) in zip(marks, marks[1:]):
     print(f"  {b - a:5.2f} s  {name}")

@@ -21,9 +21,9 @@ from kvmem.errors import KvmemError
 
 __all__ = ["build_parser", "leaf_commands", "main"]
 
-# Commands that read the fact store alone: they load no Hugging Face model, so they skip
+# Commands that load no Hugging Face model (search embeds its query in NumPy), so they skip
 # transformers' import (a second of a cold start) that quieting its progress bars costs.
-STORE_ONLY = frozenset({"list", "get", "history", "stats", "export"})
+STORE_ONLY = frozenset({"list", "get", "history", "stats", "export", "search"})
 
 
 def main(argv: list[str] | None = None) -> int:

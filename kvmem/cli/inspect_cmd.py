@@ -43,12 +43,13 @@ def open_store(config: Config, *, create: bool = False):
 @contextmanager
 def open_search(config: Config) -> Iterator[Any]:
     """The home's retrieval (indexes built from the store, the embedder loaded on the first
-    query) without the service: no model resolved, no KV store opened."""
-    from kvmem.embed import default_embedder
+    query) without the service: no model resolved, no KV store opened. The query is embedded in
+    NumPy (the same vectors to float32 rounding): a cold process spends no 2 s loading torch."""
+    from kvmem.embed.numpy_minilm import NumpyMiniLMEmbedder
     from kvmem.retrieval import Retrieval
 
     with open_store(config, create=True) as store:
-        retrieval = Retrieval(store, default_embedder(), config.retrieval, threading.RLock())
+        retrieval = Retrieval(store, NumpyMiniLMEmbedder(), config.retrieval, threading.RLock())
         try:
             yield retrieval
         finally:

@@ -35,21 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmem.errors import InvalidInputError
-
-CODECS = ("none", "fp8", "int8", "int4", "k8v4", "k4v8", "int7", "int6", "int4h", "k7v8")
+from kvmem.kv.codec_names import CODECS, check_codec  # noqa: F401 - re-exported: codec.py is their home to callers
 _ROLES = {"k8v4": ("int8", "int4"), "k4v8": ("int4", "int8"), "k7v8": ("int7", "int8")}  # blob codec -> (key codec, value codec) where they differ
 TENSOR_CODECS = tuple(c for c in CODECS if c not in _ROLES)  # what encode() takes
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _TINY = 2.0**-24  # smallest float16 subnormal: a scale never rounds to zero
 _BITS = {"int4": 4, "int4h": 4, "int6": 6, "int7": 7}  # asymmetric codecs: bits per value
 _ROTATED = ("int7", "int6", "int4h")
-
-
-def check_codec(name: str) -> str:
-    if name not in CODECS:
-        raise InvalidInputError(f"unknown KV codec {name!r}; choose one of {', '.join(CODECS)}", param="codec")
-    return name
 
 
 def role_codecs(codec: str) -> tuple[str, str]:

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from kvmem.errors import AdapterError
+from kvmem.reader.targets import TARGETS  # torch-free, for the command table
 
 TARGET = "q_proj"
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vLLM adapts all of them
 META = "kvmem.json"
 
 

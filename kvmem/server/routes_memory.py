@@ -13,7 +13,6 @@ from fastapi import APIRouter, Query, Request
 
 from kvmem.errors import UnknownFactError
 from kvmem.facts.store import MAX_OFFSET
-from kvmem.retrieval import metadata_filter
 from kvmem.server import views
 from kvmem.server.errors import ApiError, not_found
 from kvmem.server.schemas import AddMemories, SearchMemories, UpdateMemory
@@ -93,7 +92,7 @@ async def list_memories(request: Request, tenant: CurrentTenant, user_id: str, a
     rt, mem = _runtime(request)
     scope, conditions = {"user_id": tenant.user_id(user_id), "agent_id": agent_id, "run_id": run_id}, _filters(filters)
     records = await rt.call(partial(mem.get_all, **scope, filters=conditions, limit=limit, offset=offset))
-    total = await rt.call(partial(mem.facts.count, **scope, where=metadata_filter(conditions), live_at=time.time()))
+    total = await rt.call(partial(mem.count, **scope, filters=conditions))
     return {"results": [views.memory(r, tenant) for r in records], "total": total, "limit": limit, "offset": offset}
 
 

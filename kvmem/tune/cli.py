@@ -14,8 +14,8 @@ from kvmem.argtypes import non_negative_int
 from kvmem.bench import locomo
 from kvmem.bench.cli import RESULTS as BENCH_RESULTS
 from kvmem.bench.cli import data_options
-from kvmem.reader.lora import TARGETS
-from kvmem.tune.train import TUNE_CONVERSATIONS
+from kvmem.reader.targets import TARGETS
+from kvmem.tune.split import TUNE_CONVERSATIONS
 
 REPORT_CONVERSATIONS = ("conv-42", "conv-43", "conv-44", "conv-47")
 

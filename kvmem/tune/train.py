@@ -27,10 +27,10 @@ from tqdm import tqdm
 from kvmem.reader import kvmap, lora
 from kvmem.tune.lab import Example, FactKV, check_rotary, memory_cache, reply_logits, teacher_reply
 from kvmem.tune.measure import kl_per_token
+from kvmem.tune.split import TUNE_CONVERSATIONS  # noqa: F401 - part of train's API (never the reported ones)
 
 log = logging.getLogger(__name__)
 
-TUNE_CONVERSATIONS = ("conv-26", "conv-30", "conv-41")  # never the ones results are reported on
 CHUNK = 25  # teacher targets per file: a crash loses at most this many
 
 

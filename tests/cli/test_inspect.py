@@ -179,3 +179,21 @@ def test_no_engine_command_resolves_or_loads_the_chat_model(home, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "LOADED []"
     assert not models.exists()
+
+
+def test_reading_commands_import_no_torch(home, tmp_path):
+    """list, get, history, stats and search start in a fraction of a second because they never
+    import torch or transformers (the query is embedded in NumPy: embed/numpy_minilm.py)."""
+    script = textwrap.dedent(f"""
+        import sys
+        from kvmem.cli import main
+        common = ["--home", {str(home.path)!r}, "--models-home", {str(tmp_path / "no-models")!r}]
+        for args in (["list"], ["get", {home.dog!r}], ["history", {home.dog!r}], ["stats"],
+                     ["search", "--user", "alice", "dog"]):
+            assert main([*common, *args]) == 0, args
+        print("LOADED", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "LOADED []"
+    assert "Biscuit" in done.stdout  # search still finds the dog
