@@ -173,3 +173,22 @@ def test_another_tenant_sees_none_of_it(server, ui_user):
     beta = {"Authorization": f"Bearer {KEYS['beta']}"}
     assert ui_user["user"] not in httpx.get(server.url + "/ui", headers=beta).text
     assert httpx.get(f"{server.url}/ui/facts/{ui_user['ids'][0]}", headers=beta).status_code == 404
+
+
+def test_forget_a_whole_scope_after_confirming(browser, server):
+    user = f"ui-gone-{uuid.uuid4().hex[:6]}"
+    with server.client("alpha") as c:
+        assert c.post("/v1/memories", json={"user_id": user, "facts": ["I collect stamps.", "I own a kayak."]}
+                      ).status_code == 200
+    context = browser.new_context(base_url=server.url, extra_http_headers={"Authorization": f"Bearer {KEYS['alpha']}"})
+    pg = context.new_page()
+    pg.goto("/ui")
+    _open_scope(pg, user)
+    pg.click("text=Forget this scope…")
+    assert "Forget every fact of user" in pg.locator("h2").inner_text()
+    pg.click("#confirm button")
+    pg.wait_for_selector("#scopes")
+    assert pg.locator("#scopes a", has_text=user).count() == 0
+    with server.client("alpha") as c:
+        assert c.get("/v1/memories", params={"user_id": user}).json()["total"] == 0
+    context.close()
