@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvmem.errors import KvmemError
 
@@ -38,6 +39,7 @@ class EngineConfig:
     block_size: paged-cache block size in tokens (CPU needs a multiple of 32; CUDA 16).
     cpu_kv_space_gib: KV cache memory on CPU hosts (VLLM_CPU_KVCACHE_SPACE).
     max_num_seqs: requests batched together per engine step.
+    seed: vLLM's random seed, for sampling at temperature > 0.
     load_format: vLLM's; "dummy" runs any architecture from its config.json with random weights
       (timing of big shapes, exactness across families).
     enforce_eager: skip torch.compile and CUDA graphs. None: skip them on CPU, where the engine
@@ -46,19 +48,58 @@ class EngineConfig:
       and keep them on GPUs (CUDA graphs make small decode steps much cheaper there).
     url: a kvmem replica (`kvmem replica`: vLLM's stock OpenAI server with kvmem's connector) to
       send requests to instead of starting vLLM in this process; it must share the KV folder.
+    dtype: the weights' dtype the model is converted to and served in.
+    max_model_len: the longest prompt plus reply, in tokens.
+    gpu_memory_utilization: the share of device memory vLLM reserves for weights and KV cache.
+      None: vLLM's own default on GPUs (0.92 in vLLM 0.32), and 0.5 on CPU, where vLLM reads it
+      as the share of host RAM to reserve and refuses to start if that much is not free.
+    vllm_args: more of vLLM's engine arguments, as on `vllm serve`'s command line (`-- ARGS`
+      after `kvmem serve` / `kvmem replica`; a list or one shell-quoted string in a config file):
+      a replica passes them to vLLM verbatim, the in-process engine reads them with vLLM's own
+      parser and refuses an unknown one before it starts. They win over kvmem's defaults, except
+      the ones kvmem sets itself (--model, --dtype, --max-model-len, --block-size,
+      --kv-transfer-config, --served-model-name, --host, --port: OWNED), refused with the
+      setting to use instead.
     """
+
+    # vLLM arguments kvmem sets from its own settings and relies on (a pass-through copy would
+    # make vLLM and kvmem disagree, e.g. on the dtype in the KV fingerprint): what to use instead.
+    OWNED: ClassVar[dict[str, str]] = {
+        "--model": "--model (engine.model)", "--dtype": "--dtype (engine.dtype)",
+        "--max-model-len": "--max-model-len (engine.max_model_len)", "--block-size": "engine.block_size",
+        "--kv-transfer-config": "nothing: it names kvmem's connector",
+        "--served-model-name": "nothing: a gateway checks the fingerprint in it",
+        "--host": "kvmem replica --host", "--port": "kvmem replica --port",
+    }
 
     model: str | None = None  # None: bundled SmolLM2-135M-Instruct; "gemma3-270m"; a folder; a hub id
     dtype: str = "bfloat16"
     block_size: int = 32
     max_model_len: int = 4096
     cpu_kv_space_gib: int = 2
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 16
     seed: int = 0
     load_format: str = "auto"
     enforce_eager: bool | None = None
     url: str | None = None
+    vllm_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        args = shlex.split(self.vllm_args) if isinstance(self.vllm_args, str) else self.vllm_args
+        if not all(isinstance(a, str) for a in args):
+            raise ValueError(f"engine.vllm_args must be strings, got {args!r}")
+        object.__setattr__(self, "vllm_args", tuple(args))  # a TOML list; a tuple keeps the config hashable
+        if args and not args[0].startswith("-"):
+            raise ValueError(f"engine.vllm_args must start with a vLLM flag, got {args[0]!r}")
+        for arg in args:
+            # vLLM also reads --max_model_len, --max-model-len=N and --kv-transfer-config.kv_role.
+            name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+            if arg.startswith("--") and name in self.OWNED:
+                raise ValueError(f"vLLM argument {name} in engine.vllm_args: kvmem sets it; use {self.OWNED[name]}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ValueError(f"engine.gpu_memory_utilization must be within (0, 1], got {share!r}")
 
 
 @dataclass(frozen=True)
@@ -284,6 +325,7 @@ ENV: dict[str, EnvVar] = {
     "engine.load_format": EnvVar("KVMEM_LOAD_FORMAT", str),
     "engine.enforce_eager": EnvVar("KVMEM_ENFORCE_EAGER", _tristate, blank_unset=True),
     "engine.url": EnvVar("KVMEM_ENGINE_URL", str, blank_unset=True),
+    "engine.vllm_args": EnvVar("KVMEM_VLLM_ARGS", str, blank_unset=True),  # one shell-quoted string
     "kv.codec": EnvVar("KVMEM_KV_CODEC", str),
     "kv.reader_adapter": EnvVar("KVMEM_READER_ADAPTER", str),
     "kv.hot_cache_mib": EnvVar("KVMEM_HOT_CACHE_MIB", int),

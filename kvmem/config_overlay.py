@@ -47,6 +47,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "database_url": ("database_url", "--database-url"),
     "kv_shared_url": ("kv.shared_url", "--kv-shared-url"),
     "text_facts": ("kv.text_facts", "--text-facts"),
+    "max_model_len": ("engine.max_model_len", "--max-model-len"),
+    "gpu_memory_utilization": ("engine.gpu_memory_utilization", "--gpu-memory-utilization"),
+    "dtype": ("engine.dtype", "--dtype"),
+    "vllm_args": ("engine.vllm_args", "-- VLLM_ARGS"),
 }
 
 
@@ -156,7 +160,7 @@ def _flag_values(flags: Mapping[str, Any]) -> dict[str, tuple[Any, Source]]:
     out: dict[str, tuple[Any, Source]] = {}
     for dest, (key, flag) in FLAGS.items():
         value = flags.get(dest)
-        if value is not None and value != "":
+        if value is not None and value != "" and value != []:  # []: nothing after `--`
             out[key] = (_typed(key, value), Source("flag", flag))
     return out
 
@@ -208,3 +212,15 @@ def add_common_options(p: argparse.ArgumentParser, *, suppress: bool, data_dir_a
                         "over it; `kvmem config show` prints what is in effect)")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS if suppress else False,
                    help="log progress (INFO)")
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """vLLM's settings on the commands that start or exec it (serve, replica): three first-class
+    flags, and any other engine argument of vLLM's after `--` (EngineConfig.vllm_args)."""
+    p.add_argument("--max-model-len", type=int, help="the longest prompt plus reply, in tokens (default 4096)")
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="SHARE",
+                   help="share of GPU memory vLLM reserves (default: vLLM's own on GPUs; 0.5 of RAM on CPU)")
+    p.add_argument("--dtype", help="the weights' dtype: bfloat16 (default), float16, float32")
+    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                   help="after `--`: more vLLM engine arguments, e.g. -- --quantization fp8 --enforce-eager "
+                        "(docs/server.md)")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from kvmem.argtypes import positive_int
-from kvmem.config import Config
+from kvmem.config import Config, ConfigError
+from kvmem.config_overlay import add_engine_options
 
 
 def cmd_replica(args: argparse.Namespace, config: Config) -> int:
@@ -34,7 +36,30 @@ def run_server(args: argparse.Namespace) -> int:
     """`kvmem serve|gateway`: the server sets up its own logging and reads its own settings."""
     from kvmem.server import cli as server_cli
 
+    if args.command == "serve" and not _vllm_args_ok(args):
+        return 2
     return server_cli.run(args, gateway=args.command == "gateway")
+
+
+def _vllm_args_ok(args: argparse.Namespace) -> bool:
+    """Read the vLLM arguments (after `--`, or [engine] vllm_args) before serving: the server
+    starts its engine in the background once the port is bound, so an unknown one would be
+    reported there as a failed engine rather than as a usage error naming it."""
+    from kvmem.engine.replica import engine_kwargs
+    from kvmem.server.cli import settings_of
+
+    try:
+        _, config = settings_of(args, os.environ, gateway=False)
+    except ConfigError:
+        return True  # server_cli.run reports the settings' own errors
+    if config.engine.url or not config.engine.vllm_args:
+        return True
+    try:
+        engine_kwargs(config.engine.vllm_args)
+    except ConfigError as e:
+        print(f"kvmem serve: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def add_parsers(sub) -> None:
@@ -46,12 +71,14 @@ def add_parsers(sub) -> None:
                                    "and writing blobs in this home's KV folder (and the shared Redis tier, "
                                    "when given). `kvmem gateway --replicas http://HOST:PORT` (or `kvmem serve` "
                                    "with KVMEM_ENGINE_URL) then sends its requests there instead of starting "
-                                   "vLLM itself.")
+                                   "vLLM itself. vLLM engine arguments kvmem has no flag for go after `--` and "
+                                   "reach vLLM verbatim: kvmem replica -- --quantization fp8 --enforce-eager.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=positive_int, default=8000, help="port (default: 8000)")
     p.add_argument("--kv-shared-url", help="Redis URL of the shared KV tier (KVMEM_KV_SHARED_URL): blobs this "
                                            "replica lacks are pulled from there, and those it encodes stored there")
     p.add_argument("--print", action="store_true", help="print the command and environment, do not start it")
+    add_engine_options(p)
     p.set_defaults(func=cmd_replica)
 
     for name, help_ in (("serve", "HTTP server: OpenAI-compatible chat with memory and a Mem0-shaped memory API "
@@ -61,4 +88,6 @@ def add_parsers(sub) -> None:
         p = sub.add_parser(name, help=help_, description=server_cli.__doc__, allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         server_cli.add_arguments(p, gateway=name == "gateway")
+        if name == "serve":  # a gateway starts no engine: its replicas take vLLM's flags
+            add_engine_options(p)
         p.set_defaults(func=None)  # main() hands these to run_server before any Config is built

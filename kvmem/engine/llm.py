@@ -28,13 +28,13 @@ from typing import Callable, Iterator
 from kvmem.config import Config
 from kvmem.connector.plan import ENCODE, InjectionReport
 from kvmem.engine.protocol import BLOB_WAIT_S, ChoiceDelta, Completion, EngineRequest, EngineResult, EngineStatus
-from kvmem.engine.replica import transfer_config
+from kvmem.engine.replica import engine_settings
 from kvmem.connector.support import map_refused, take_refusal
 from kvmem.errors import EngineError, InvalidInputError, RequestCancelled, UnsupportedConfigError
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
-from kvmem.reader.lora import folder_targets, has_lora, lora_rank
+from kvmem.reader.lora import has_lora
 from kvmem.results import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -318,21 +318,12 @@ def _lora_request(adapter: Path | None):
 def _start_llm(model: ModelInfo, config: Config, adapter: Path | None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
+    from vllm.platforms import current_platform
 
-    ec = config.engine
-    transfer = KVTransferConfig(**transfer_config(config, model, adapter))  # the same settings a replica gets
-    # LoRA is switched on only with an adapter: on the CPU backend it also turns graph compilation off.
-    # Wrapping only the adapter's own modules keeps LoRA off lm_head, whose LoRA wrapper on vLLM's
-    # CPU backend fails on prompt logprobs (scoring) when several requests share a step.
-    lora = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": lora_rank(adapter),
-            "lora_target_modules": folder_targets(adapter)} if adapter and has_lora(adapter) else {}
+    kwargs = engine_settings(config, model, adapter, cpu=current_platform.is_cpu())  # what a replica gets
+    kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
     with _children_skip_main_script():
-        return LLM(
-            model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
-            max_num_seqs=ec.max_num_seqs, enable_prefix_caching=True, kv_transfer_config=transfer, seed=ec.seed,
-            gpu_memory_utilization=ec.gpu_memory_utilization, load_format=ec.load_format, enforce_eager=_eager(ec),
-            **lora,
-        )
+        return LLM(**kwargs)
 
 
 @contextmanager
@@ -360,15 +351,6 @@ def _children_skip_main_script() -> Iterator[None]:
         yield
     finally:
         names.update(saved)
-
-
-def _eager(ec) -> bool:
-    """EngineConfig.enforce_eager, where None means: eager on CPU, compiled with CUDA graphs on GPUs."""
-    if ec.enforce_eager is not None:
-        return ec.enforce_eager
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def _prompt(req: EngineRequest, reading: bool = False) -> dict:

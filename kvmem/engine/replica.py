@@ -8,11 +8,16 @@ This module does not import vLLM: a gateway host without vLLM prints the command
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import functools
 import json
+import shlex
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
-from kvmem.config import Config
+from kvmem.config import Config, ConfigError
 from kvmem.connector.plan import ConnectorSettings
 from kvmem.model import ModelInfo
 from kvmem.reader import adapters
@@ -64,17 +69,78 @@ def command(config: Config, model: ModelInfo, *, host: str = "127.0.0.1", port: 
            "--model", str(model.path), "--served-model-name", served_name(model),
            "--host", host, "--port", str(port), "--dtype", model.dtype,
            "--block-size", str(ec.block_size), "--max-model-len", str(ec.max_model_len),
-           "--max-num-seqs", str(ec.max_num_seqs), "--gpu-memory-utilization", str(ec.gpu_memory_utilization),
-           "--seed", str(ec.seed), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+           "--max-num-seqs", str(ec.max_num_seqs), "--seed", str(ec.seed), "--enable-prefix-caching", "--enable-prompt-tokens-details",
            "--return-tokens-as-token-ids", "--kv-transfer-config", json.dumps(transfer_config(config, model, adapter))]
     if ec.load_format != "auto":
         cmd += ["--load-format", ec.load_format]
     if adapter is not None and has_lora(adapter):
         cmd += ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", str(lora_rank(adapter)),
                 "--lora-target-modules", *folder_targets(adapter), "--lora-modules", f"{reader_name(model)}={adapter}"]
+    share = memory_share(config, cpu=_cpu_only())
+    if share is not None:
+        cmd += ["--gpu-memory-utilization", str(share)]
     if ec.enforce_eager or (ec.enforce_eager is None and _cpu_only()):
         cmd.append("--enforce-eager")
-    return cmd
+    return cmd + list(ec.vllm_args)  # last, so they win over kvmem's defaults (vLLM keeps the last value)
+
+
+def engine_settings(config: Config, model: ModelInfo, adapter: Path | None, *, cpu: bool) -> dict[str, Any]:
+    """The in-process engine's LLM() keyword arguments: what command() gives a replica, as
+    EngineArgs fields (kv_transfer_config as a dict), then engine.vllm_args over them. cpu: vLLM
+    runs on its CPU backend (eager by default there, and a smaller memory share)."""
+    ec = config.engine
+    # LoRA is switched on only with an adapter: on the CPU backend it also turns graph compilation off.
+    # Wrapping only the adapter's own modules keeps LoRA off lm_head, whose LoRA wrapper on vLLM's
+    # CPU backend fails on prompt logprobs (scoring) when several requests share a step.
+    lora = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": lora_rank(adapter),
+            "lora_target_modules": folder_targets(adapter)} if adapter and has_lora(adapter) else {}
+    out = dict(model=str(model.path), dtype=model.dtype, block_size=ec.block_size, max_model_len=ec.max_model_len,
+               max_num_seqs=ec.max_num_seqs, enable_prefix_caching=True, seed=ec.seed, load_format=ec.load_format,
+               enforce_eager=cpu if ec.enforce_eager is None else ec.enforce_eager,
+               kv_transfer_config=transfer_config(config, model, adapter), **lora)
+    share = memory_share(config, cpu=cpu)
+    if share is not None:
+        out["gpu_memory_utilization"] = share
+    return {**out, **engine_kwargs(ec.vllm_args)}
+
+
+def memory_share(config: Config, *, cpu: bool) -> float | None:
+    """engine.gpu_memory_utilization, where None means vLLM's own default on GPUs (None: pass
+    nothing) and 0.5 on CPU, where vLLM's default (0.92 of host RAM, checked against free memory)
+    would refuse to start beside any other sizeable process."""
+    share = config.engine.gpu_memory_utilization
+    return 0.5 if share is None and cpu else share
+
+
+def engine_kwargs(vllm_args: tuple[str, ...]) -> dict[str, Any]:
+    """vLLM's engine keyword arguments (EngineArgs fields) that engine.vllm_args give, read by
+    vLLM's own parser, as `vllm serve` would read them. Only the arguments given are returned, so
+    kvmem's own settings stand for the rest. Raises ConfigError naming an unknown argument (or a
+    bad value) before any engine starts. Imports vLLM."""
+    return dict(_engine_kwargs(tuple(vllm_args)))
+
+
+@functools.lru_cache(maxsize=8)  # start_engine checks them before the engine reads them again
+def _engine_kwargs(vllm_args: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    if not vllm_args:
+        return ()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Parser(FlexibleArgumentParser):
+        def error(self, message: str) -> NoReturn:  # argparse would exit the server's process
+            raise ConfigError(f"vLLM engine arguments {shlex.join(vllm_args)}: {message}")
+
+    parser = EngineArgs.add_cli_args(Parser(prog="vllm", add_help=False, allow_abbrev=False))
+    # An argument given is one whose value is no longer the marker: given at vLLM's default
+    # value (e.g. --no-enforce-eager), it must still override kvmem's own setting.
+    unset = object()
+    marked = {a.dest: unset for a in parser._actions
+              if isinstance(a, (argparse._StoreAction, argparse._StoreConstAction, argparse.BooleanOptionalAction))}
+    given = vars(parser.parse_args(list(vllm_args), argparse.Namespace(**marked)))
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    return tuple((k, v) for k, v in given.items() if v is not unset and k in fields and
+                 (k in marked or v != parser.get_default(k)))
 
 
 def environment(config: Config) -> dict[str, str]:

@@ -16,5 +16,7 @@ def start_engine(config: Config, model: ModelInfo, blobs: KVStore) -> Engine:
 
         return RemoteEngine(config.engine.url, model, blobs, use_reader=config.kv.reader_adapter != "off")
     from kvmem.engine.llm import LocalEngine
+    from kvmem.engine.replica import engine_kwargs
 
+    engine_kwargs(config.engine.vllm_args)  # an unknown vLLM argument: a ConfigError now, not a failed start
     return LocalEngine(model, config)
