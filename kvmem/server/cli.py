@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 
 from kvmem.config import Config, ConfigError
-from kvmem.config_overlay import add_common_options
+from kvmem.config_overlay import add_common_options, add_engine_options
 from kvmem.server.settings import ServerSettings, SettingsError, load
 
 log = logging.getLogger("kvmem.server")
@@ -51,6 +51,8 @@ def build_parser(*, gateway: bool = False) -> argparse.ArgumentParser:
                                 allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_options(p, suppress=False, data_dir_alias=True)
     add_arguments(p, gateway=gateway)
+    if not gateway:  # the gateway starts no engine
+        add_engine_options(p)
     return p
 
 
