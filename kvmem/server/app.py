@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from kvmem.config import Config
-from kvmem.server import errors, routes_chat, routes_memory, routes_ops, ui
+from kvmem.server import errors, routes_chat, routes_mem0, routes_memory, routes_ops, ui
 from kvmem.server.metrics import Metrics
 from kvmem.server.middleware import BodyLimit, RequestContext
 from kvmem.server.runtime import Runtime
@@ -60,7 +60,7 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
     app.state.metrics = Metrics(runtime)
     app.state.model_names = served_names(settings, config)
     errors.install(app)
-    for module in (routes_chat, routes_memory, routes_ops):
+    for module in (routes_chat, routes_memory, routes_mem0, routes_ops):
         app.include_router(module.router)
     if settings.ui:
         ui.install(app)

@@ -71,7 +71,8 @@ class KeyRing:
         scheme, _, key = (authorization or "").partition(" ")
         if not authorization:
             raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        name = self._tenants.get(_digest(key.strip())) if scheme.lower() == "bearer" else None
+        # "Token" is the scheme Mem0's client sends (routes_mem0.py); the key is the same.
+        name = self._tenants.get(_digest(key.strip())) if scheme.lower() in ("bearer", "token") else None
         if name is None:
             raise _unauthorized("invalid API key")
         return Tenant(name)

@@ -162,6 +162,8 @@ def test_the_openai_sdk_samples_and_gets_json_through_a_gateway(topology):
         assert reply.finish_reason == "stop" and set(json.loads(reply.message.content)) == {"name"}
         _check_tool_call_through(client, ask, schema)
     _check_langchain_through(a, user)
+    page = httpx.get(a.url + "/ui", timeout=60)  # the inspector is on gateways too (no keys here: open)
+    assert page.status_code == 200 and user in page.text
 
 
 def _check_langchain_through(gateway, user: str) -> None:
