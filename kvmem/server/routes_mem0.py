@@ -159,22 +159,12 @@ async def add(request: Request, tenant: CurrentTenant, body: Any = Body(...)) ->
                                    metadata=metadata, encode="background",
                                    expiration_date=body.get("expiration_date")))
     results, seen = [], set()
-    for r in await rt.call(_records, mem, result.ids):
+    for r in await rt.call(views.records, mem, result.ids):
         # Mem0 says NONE where a turn was already stored (kvmem's NOOP).
         event = "ADD" if r.id not in seen and r.created_at >= started else "NONE"
         seen.add(r.id)
         results.append({**views.memory(r, tenant, event=event), "data": {"memory": r.text}})
     return {"results": results}
-
-
-def _records(mem, ids) -> list:
-    out = []
-    for fact_id in ids:
-        try:
-            out.append(mem.get(fact_id))
-        except UnknownFactError:  # deleted meanwhile
-            pass
-    return out
 
 
 def _page_url(request: Request, page: int, page_size: int) -> str:
@@ -212,7 +202,7 @@ async def search(request: Request, tenant: CurrentTenant, body: Any = Body(...))
     rt, mem = _runtime(request)
     hits = await rt.call(partial(mem.search, query, **scope, k=top_k, filters=filters))
     scores = {h.id: h.score for h in hits if threshold is None or h.score >= threshold}
-    records = await rt.call(_records, mem, list(scores))
+    records = await rt.call(views.records, mem, list(scores))
     return {"results": [views.memory(r, tenant, score=scores[r.id]) for r in records]}
 
 

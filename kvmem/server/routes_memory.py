@@ -26,16 +26,6 @@ def _runtime(request: Request):
     return rt, rt.require()
 
 
-def _records(mem, ids) -> list:
-    out = []
-    for fact_id in ids:
-        try:
-            out.append(mem.get(fact_id))
-        except UnknownFactError:  # deleted meanwhile
-            pass
-    return out
-
-
 async def _owned(rt, mem, tenant: Tenant, fact_id: str):
     record = await rt.call(mem.get, fact_id)
     if not tenant.owns(record.user_id):
@@ -59,7 +49,7 @@ async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenan
                   encode=body.encode, timestamp=body.timestamp, origin=body.origin,
                   expiration_date=body.expiration_date)
     result = await rt.call(add)
-    records, seen, results = await rt.call(_records, mem, result.ids), set(), []
+    records, seen, results = await rt.call(views.records, mem, result.ids), set(), []
     for r in records:
         event = "ADD" if r.id not in seen and r.created_at >= started else "NOOP"
         seen.add(r.id)
@@ -112,7 +102,7 @@ async def search_memories(body: SearchMemories, request: Request, tenant: Curren
     hits = await rt.call(partial(mem.search, body.query, user_id=tenant.user_id(body.user_id), agent_id=body.agent_id,
                                  run_id=body.run_id, k=body.limit, filters=body.filters))
     scores = {h.id: h.score for h in hits}
-    records = await rt.call(_records, mem, [h.id for h in hits])
+    records = await rt.call(views.records, mem, [h.id for h in hits])
     return {"results": [views.memory(r, tenant, score=scores[r.id]) for r in records]}
 
 

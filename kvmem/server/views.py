@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from kvmem.errors import UnknownFactError
 from kvmem.server.tenants import Tenant
 
 
@@ -33,3 +34,14 @@ def memory(record, tenant: Tenant, **extra) -> dict:
 def history_event(event) -> dict:
     return {"memory_id": event.fact_id, "event": event.event, "old_memory": event.old_text,
             "new_memory": event.new_text, "created_at": iso(event.at)}
+
+
+def records(mem, ids) -> list:
+    """The facts of `ids` still stored (one deleted meanwhile is left out), for a response."""
+    out = []
+    for fact_id in ids:
+        try:
+            out.append(mem.get(fact_id))
+        except UnknownFactError:
+            pass
+    return out
