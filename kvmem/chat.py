@@ -86,6 +86,7 @@ class Prepared:
     scores: dict[str, float]  # fact id -> retrieval score (empty when the chat named its facts)
     fact_tokens: tuple[int, ...] = ()  # each fact's tokens in the prompt, in prompt order
     question: str = ""
+    traced: bool = True  # kept in the x-ray ring (not for scoring, which is no chat)
 
 
 class Chats:
@@ -165,9 +166,9 @@ class Chats:
         turns = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
         # Tool calls and results are not remembered: what is stored is what the people said.
         turns = [{k: v for k, v in m.items() if k != "tool_calls"} for m in turns if m["role"] != "tool"]
-        if result.choices and result.choices[0].tool_calls:
-            result = replace(result, answer="")  # a reply that only called tools says nothing to keep
-        stored = self.writes.remember(turns, result.answer, Scope(args.user_id, args.agent_id, args.run_id), args.store)
+        # A reply that called tools is not kept: its words are the calls' wrapping, not something said.
+        reply = "" if result.choices and result.choices[0].tool_calls else result.answer
+        stored = self.writes.remember(turns, reply, Scope(args.user_id, args.agent_id, args.run_id), args.store)
         return replace(result, stored=stored)
 
     def score(self, messages, answer: str, args: ChatArgs, *, reader: bool = True) -> list[float]:
@@ -181,7 +182,7 @@ class Chats:
         scored = replace(p.request, token_ids=p.request.token_ids + answer_ids, score_last=len(answer_ids),
                          salt=f"{p.request.salt}:score:{uuid.uuid4().hex}", reader=p.request.reader and reader)
         (result,) = self.need_engine().run([scored])
-        self.finish(result, replace(p, retrieval_s=0.0), args)
+        self.finish(result, replace(p, retrieval_s=0.0, traced=False), args)
         return list(result.scored)
 
     def prepare(self, messages, args: ChatArgs) -> Prepared:
@@ -273,7 +274,7 @@ class Chats:
                         for c in r.choices)
         trace = self._trace(r, p, args)
         return ChatResult(
-            trace_id=trace.id if args.mode != "off" else "",
+            trace_id=trace.id if args.mode != "off" and p.traced else "",
             answer=choices[0].answer if choices and choices[0].tool_calls else r.text.strip(), mode=args.mode, fact_ids=tuple(f.id for f in p.facts), ttft_s=r.ttft_s,
             latency_s=r.latency_s, prompt_tokens=r.prompt_tokens, injected_tokens=claimed,
             cached_tokens=r.cached_tokens - claimed, fallbacks=report.facts_as_text if report else 0,
@@ -297,7 +298,7 @@ class Chats:
         trace = ChatTrace(args.chat_id or uuid.uuid4().hex, args.user_id, args.agent_id, args.run_id, time.time(), args.mode,
                           p.question, facts, r.prompt_tokens, report.claimed_tokens if report else 0,
                           round(r.ttft_s * 1000, 3), round(p.retrieval_s * 1000, 3), reasons)
-        if args.mode != "off":  # a chat without memory has nothing to show
+        if args.mode != "off" and p.traced:  # a chat without memory has nothing to show
             self.traces.record(trace)
         return trace
 

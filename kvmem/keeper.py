@@ -186,9 +186,9 @@ class BlobKeeper:
 
     def blob(self, fact_id: str) -> BlobInfo:
         uses = self.facts.usage().get(fact_id, 0)
-        path = self.kv.path(fact_id)
-        if path.is_file():
-            return BlobInfo("disk", path.stat().st_size, uses)
+        size = _size(self.kv.path(fact_id))
+        if size is not None:
+            return BlobInfo("disk", size, uses)
         stamp = self.kv.stamp(fact_id)
         return BlobInfo("shared", int(stamp[1]), uses) if stamp is not None else BlobInfo(None, 0, uses)
 
@@ -196,10 +196,9 @@ class BlobKeeper:
         """Each scope of the users whose id starts with `user_prefix`: facts and blob bytes on disk."""
         totals: dict[tuple, list[int]] = {}
         for fact_id, scope in self.facts.scope_ids(user_prefix):
-            path = self.kv.path(fact_id)
             entry = totals.setdefault((scope.user_id, scope.agent_id, scope.run_id), [0, 0])
             entry[0] += 1
-            entry[1] += path.stat().st_size if path.is_file() else 0
+            entry[1] += _size(self.kv.path(fact_id)) or 0
         return [ScopeSummary(*key, n, size) for key, (n, size) in totals.items()]
 
     def tiers(self) -> KVTiers:
@@ -214,6 +213,14 @@ class BlobKeeper:
         if self.encoder is not None:
             self.encoder.stop()
             self.facts.save_usage(self.budget.changed_hits())  # the eviction order survives a restart
+
+
+def _size(path) -> int | None:
+    """A blob file's bytes; None when there is none (evicted or deleted, even between two calls)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 def check_encode_mode(mode: object) -> None:

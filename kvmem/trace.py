@@ -56,21 +56,26 @@ class TraceRing:
     def __init__(self, per_scope: int = 32, scopes: int = 1024) -> None:
         self.per_scope, self.scopes = per_scope, scopes
         self._rings: OrderedDict[str, deque[ChatTrace]] = OrderedDict()
+        self._by_id: dict[str, ChatTrace] = {}  # every kept trace: get() is asked after every chat
         self._lock = threading.Lock()
 
     def record(self, trace: ChatTrace) -> None:
         if self.per_scope <= 0 or self.scopes <= 0:
             return
         with self._lock:
-            ring = self._rings.pop(trace.user_id, None) or deque(maxlen=self.per_scope)
+            ring = self._rings.pop(trace.user_id, None) or deque()
             ring.append(trace)
+            self._by_id[trace.id] = trace
+            if len(ring) > self.per_scope:
+                self._by_id.pop(ring.popleft().id, None)
             self._rings[trace.user_id] = ring  # most recently used last
             while len(self._rings) > self.scopes:
-                self._rings.popitem(last=False)
+                for old in self._rings.popitem(last=False)[1]:
+                    self._by_id.pop(old.id, None)
 
     def get(self, trace_id: str) -> ChatTrace | None:
         with self._lock:
-            return next((t for ring in self._rings.values() for t in ring if t.id == trace_id), None)
+            return self._by_id.get(trace_id)
 
     def recent(self, user_id: str) -> list[ChatTrace]:
         """The scope's traces, newest first."""

@@ -120,8 +120,13 @@ class PromptBuilder:
         # A fresh random marker per call: user text cannot contain it, so it cannot move the split.
         mark = f"\x00KVMEM-FACTS-{secrets.token_hex(16)}\x00"
         system = {"role": "system", "content": self.config.system_prefix + mark + self.config.system_suffix + extra}
-        text = self.tokenizer.apply_chat_template([system, *turns], tools=tools, tokenize=False,
-                                                  add_generation_prompt=True)
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template([system, *turns], tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)
+        except TemplateError as e:  # the model's template refuses this conversation (raise_exception)
+            raise InvalidInputError(f"the model's chat template refused the messages: {e}", param="messages") from None
         head, found, tail = text.partition(mark)
         if not found or mark in tail:
             raise RuntimeError("the chat template must render the system message exactly once")

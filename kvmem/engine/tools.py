@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from kvmem.config import ConfigError
 from kvmem.errors import InvalidInputError
+from kvmem.facts.text import check_unicode
 from kvmem.results import ToolCall
 
 CHOICES = ("none", "auto", "required")
@@ -98,7 +99,7 @@ class Tools:
         unknown = [c.name for c in calls if c.name not in self.names]
         if unknown:  # the model named a tool it was not given: its text stays content
             return text, ()
-        return (found.content or None), calls
+        return (found.content or None), calls if self.parallel else calls[:1]  # as vLLM's server trims them
 
     def _vllm_request(self):
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -139,6 +140,8 @@ def _check_spec(tool, i: int) -> dict:
     except ValidationError as e:
         raise InvalidInputError(f"tools[{i}] is not a function definition: {e.errors()[0]['msg']}",
                                 param="tools") from None
+    # Every text of a definition reaches the tokenizer, which fails on a lone surrogate: a 400 here.
+    check_unicode(f"tools[{i}]", json.dumps(spec, ensure_ascii=False), param="tools")
     params = spec["function"].get("parameters")
     if params is not None and not isinstance(params, dict):
         raise InvalidInputError(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
@@ -205,6 +208,7 @@ def check_tool_turns(messages: list[dict]) -> None:
             open_calls.discard(call)
             if not isinstance(m.get("content"), str):
                 raise InvalidInputError(f"message {i}: a tool message's content must be text", param=_MSG)
+            check_unicode(f"message {i} content", m["content"], param=_MSG)
 
 
 def _check_call(call, i: int, j: int) -> str:
@@ -216,6 +220,8 @@ def _check_call(call, i: int, j: int) -> str:
         json.loads(function.get("arguments") or "{}")
     except (ValueError, TypeError):
         raise InvalidInputError(f"{where}.function.arguments must be a JSON string", param=_MSG) from None
+    for text in (call["id"], function["name"], function.get("arguments") or ""):
+        check_unicode(where, text, param=_MSG)
     return call["id"]
 
 

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvmem.config import ConfigError
 from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
 
 INVALID = "invalid_request_error"
@@ -95,6 +96,12 @@ async def _on_engine(request: Request, exc: EngineError) -> JSONResponse:
     return ApiError(503, f"the engine is unavailable: {exc}", type="server_error", code="engine_unavailable").response()
 
 
+async def _on_config(request: Request, exc: ConfigError) -> JSONResponse:
+    """A setting found wrong only when a request needed it (e.g. prompt.tool_call_parser): the
+    server's fault, said plainly rather than as an anonymous internal error."""
+    return ApiError(500, f"server configuration: {exc}", type="server_error", code="server_misconfigured").response()
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation)
@@ -102,3 +109,4 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(UnknownFactError, _on_unknown_fact)
     app.add_exception_handler(InvalidInputError, _on_invalid)
     app.add_exception_handler(EngineError, _on_engine)
+    app.add_exception_handler(ConfigError, _on_config)

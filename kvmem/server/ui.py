@@ -91,7 +91,7 @@ class _View:
         return {"user_id": user_id, "agent_id": fields.get("agent") or None, "run_id": fields.get("run") or None}
 
     async def form(self) -> dict:
-        fields = {k: v[-1] for k, v in parse_qs((await self.request.body()).decode()).items()}
+        fields = {k: v[-1] for k, v in parse_qs((await self.request.body()).decode("utf-8", "replace")).items()}
         try:
             check_form(self.request, fields.get("csrf", ""))
         except ApiError as e:
@@ -120,7 +120,7 @@ async def login_page() -> HTMLResponse:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    key = (parse_qs((await request.body()).decode()).get("key") or [""])[-1].strip()
+    key = (parse_qs((await request.body()).decode("utf-8", "replace")).get("key") or [""])[-1].strip()
     origin = request.headers.get("origin")
     if origin is not None and origin.split("://")[-1] != request.headers.get("host"):
         raise _Page(403, "cross-site request refused")
@@ -146,11 +146,22 @@ async def logout(request: Request) -> Response:
 async def scopes(request: Request) -> HTMLResponse:
     v = _View(request)
     prefix = f"{v.tenant.name}{SEP}" if v.tenant.name else ""  # the tenant's users only, in SQL
-    rows = await v.rt.call(v.mem.scopes, prefix)
-    shown = [{"user": v.tenant.local(s.user_id), "agent": s.agent_id, "run": s.run_id, "facts": s.facts,
-              "kv_bytes": s.kv_bytes, "href": _scope_href(v.tenant.local(s.user_id), s.agent_id, s.run_id)}
-             for s in rows if v.tenant.owns(s.user_id)]
+    groups = [s for s in await v.rt.call(v.mem.scopes, prefix) if v.tenant.owns(s.user_id)]
+    shown = [{"user": v.tenant.local(user), "agent": agent, "run": run, "facts": n, "kv_bytes": size,
+              "href": _scope_href(v.tenant.local(user), agent, run)} for (user, agent, run), (n, size) in _rows(groups)]
     return v.page("scopes", "Scopes", scopes=shown)
+
+
+def _rows(groups) -> list[tuple[tuple, tuple[int, int]]]:
+    """A row per user (all its facts) and per agent/run within it, each counting what its link
+    opens (and what forgetting it forgets): a scope left out means any, as in get_all/delete_all."""
+    keys = sorted({(g.user_id, None, None) for g in groups} | {(g.user_id, g.agent_id, g.run_id) for g in groups},
+                  key=lambda k: (k[0], k[1] or "", k[2] or ""))
+    out = []
+    for user, agent, run in keys:
+        inside = [g for g in groups if g.user_id == user and agent in (None, g.agent_id) and run in (None, g.run_id)]
+        out.append(((user, agent, run), (sum(g.facts for g in inside), sum(g.kv_bytes for g in inside))))
+    return out
 
 
 @router.get("/scope")
@@ -158,7 +169,7 @@ async def scope(request: Request) -> HTMLResponse:
     v = _View(request)
     q = request.query_params
     sc = v.scope(dict(q))
-    offset = max(0, int(q.get("offset", "0"))) if q.get("offset", "0").isdigit() else 0
+    offset = int(q["offset"]) if q.get("offset", "").isascii() and q.get("offset", "").isdigit() else 0
     records = await v.rt.call(v.mem.get_all, **sc, limit=PAGE + 1, offset=offset)
     last = _last_injected(v.mem.recent_chats(sc["user_id"]))
     codec = v.mem.config.kv.codec
@@ -256,9 +267,10 @@ async def forget_fact(fact_id: str, request: Request) -> Response:
 async def confirm_forget_scope(request: Request) -> HTMLResponse:
     v = _View(request)
     q = request.query_params
-    v.scope(dict(q))
+    n = await v.rt.call(lambda: v.mem.count(**v.scope(dict(q))))
     return v.page("confirm", "Forget a scope", question=f"Forget every fact of {_label(q['user'], q.get('agent'), q.get('run'))}?",
-                  detail="Their text, vectors and KV go; the history keeps the events only.",
+                  detail=f"{n} facts (every agent's and run's within it, unless one is named): their text, vectors "
+                         "and KV go; the history keeps the events only.",
                   fields=_scope_fields(q), action="/ui/forget-scope", back=_scope_href(q["user"], q.get("agent"), q.get("run")))
 
 

@@ -146,3 +146,32 @@ def test_an_unknown_parser_is_a_configuration_error():
     with pytest.raises(ConfigError, match="tool_call_parser 'nope'"):
         Tools.from_openai([WEATHER], "auto", parser="nope")
     assert Tools.from_openai([WEATHER], "auto", parser="llama3_json").parser == "llama3_json"
+
+
+@pytest.mark.parametrize("tools,turns", [
+    ([{"type": "function", "function": {"name": "f", "description": "a\ud800"}}], []),
+    ([WEATHER], [{"role": "assistant", "content": "", "tool_calls": [{**CALL, "id": "c\ud800"}]}]),
+    ([WEATHER], [TURNS[1], {"role": "tool", "content": "sunny \udfff", "tool_call_id": "c1"}]),
+], ids=["description", "call-id", "tool-content"])
+def test_a_lone_surrogate_in_a_tool_field_is_bad_input(tools, turns):
+    """It would reach the tokenizer and fail there (a 500 before this check)."""
+    with pytest.raises(InvalidInputError):
+        Tools.from_openai(tools, "auto")
+        check_tool_turns(turns)
+
+
+def test_parallel_false_keeps_one_auto_call(tokenizer):
+    two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>')
+    assert len(Tools.from_openai([WEATHER], "auto").parse(two, tokenizer)[1]) == 2
+    assert len(Tools.from_openai([WEATHER], "auto", parallel_tool_calls=False).parse(two, tokenizer)[1]) == 1
+
+
+def test_a_template_that_refuses_is_bad_input(tokenizer):
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = NATIVE.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role == 'tool' %}"
+                                          "{{ raise_exception('no tool role') }}{% endif %}")
+    pb = PromptBuilder(strict)
+    with pytest.raises(InvalidInputError) as e:
+        pb.chat([], TURNS, Tools.from_openai([WEATHER], "auto"))
+    assert e.value.param == "messages" and "no tool role" in str(e.value)

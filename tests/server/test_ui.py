@@ -192,3 +192,15 @@ def test_forget_a_whole_scope_after_confirming(browser, server):
     with server.client("alpha") as c:
         assert c.get("/v1/memories", params={"user_id": user}).json()["total"] == 0
     context.close()
+
+
+def test_each_scope_row_counts_what_its_link_opens():
+    """A row without an agent or run opens (and forgets) all of them: its count says so."""
+    from kvmem.keeper import ScopeSummary
+    from kvmem.server.ui import _rows
+
+    groups = [ScopeSummary("t::al", None, None, 3, 30), ScopeSummary("t::al", "bot", None, 2, 20),
+              ScopeSummary("t::al", "bot", "r1", 4, 40), ScopeSummary("t::bo", None, "r1", 1, 10)]
+    assert _rows(groups) == [(("t::al", None, None), (9, 90)), (("t::al", "bot", None), (6, 60)),
+                             (("t::al", "bot", "r1"), (4, 40)), (("t::bo", None, None), (1, 10)),
+                             (("t::bo", None, "r1"), (1, 10))]
