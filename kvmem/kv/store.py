@@ -221,10 +221,16 @@ class KVStore:
         return path, st
 
     def _pull(self, fact_id: str) -> None:
-        got = self._tier.get(fact_id)
-        if got is not None and self._install(fact_id, *got):
-            with self._lock:
-                self.shared_pulls += 1
+        # A version replaced between our read and our install (another process re-encoding the
+        # fact) is refused by _install; the new one is there to read, so read again.
+        for _ in range(3):
+            got = self._tier.get(fact_id)
+            if got is None:
+                return
+            if self._install(fact_id, *got):
+                with self._lock:
+                    self.shared_pulls += 1
+                return
 
     @staticmethod
     def _read(path: Path, fact_id: str) -> bytearray:

@@ -202,3 +202,23 @@ def test_shared_stores_are_per_tier(tmp_path, fp, redis_url):
         shared.close()
         for url in (None, redis_url):
             KVStore._shared.pop((str(tmp_path.resolve()), fp, 512 << 20, url))
+
+
+def test_a_pull_that_races_a_re_encode_reads_the_new_version(stores, fp):
+    """Host b reads version 1 while host a replaces it with version 2 before b installs it: b must
+    read again and serve version 2, not report the blob missing (a gateway re-encoding a fact
+    while a replica pulls it; the cause of a flaky topology test)."""
+    a, b = stores("a"), stores("b")
+    a.put(make_blob(fp=fp, seed=3))
+    real_get, raced = b._tier.get, []
+
+    def get_then_replaced(fact_id):
+        got = real_get(fact_id)
+        if not raced:
+            raced.append(True)
+            a.put(make_blob(fp=fp, seed=4))  # the version just read is gone before b installs it
+        return got
+
+    b._tier.get = get_then_replaced
+    blob, _ = b.fetch("f1")
+    assert torch.equal(blob.key, make_blob(fp=fp, seed=4).key) and b.shared_pulls == 1
