@@ -29,6 +29,7 @@ from kvmem.facts.scope import Scope
 from kvmem.facts.store import FactRecord
 from kvmem.facts.text import check_fact_text, check_unicode
 from kvmem.keeper import BlobKeeper
+from kvmem.kv.recompute import ENGINE_RULES, Recompute
 from kvmem.results import ChatResult, Choice, ToolCallDelta
 from kvmem.retrieval import Retrieval
 from kvmem.trace import ChatTrace, FactTrace, TraceRing, clip, served
@@ -53,6 +54,7 @@ class ChatArgs:
     max_tokens: int = 64
     logprobs: int | None = None
     text_facts: int | None = None  # the last facts KV mode prefills as text (None: kv.text_facts)
+    recompute: Recompute | None = None  # fact tokens recomputed at injection (None: kv.recompute, kv.recompute_rule)
     sampling: Sampling = Sampling()  # greedy unless asked otherwise
     store: str = "none"  # write-back after the reply: "none", "user" (the last user turn) or "both" (+ reply)
     tools: Tools | None = None  # functions the reply may call (engine/tools.py)
@@ -68,6 +70,10 @@ class ChatArgs:
         if self.text_facts is not None and not int_at_least(self.text_facts, 0):
             raise InvalidInputError(f"text_facts must be None or an int >= 0, got {self.text_facts!r}",
                                     param="text_facts")
+        if self.recompute is not None and (not isinstance(self.recompute, Recompute)
+                                           or self.recompute.rule not in ENGINE_RULES):
+            raise InvalidInputError(f"recompute must be None or a Recompute with a rule of {ENGINE_RULES}, "
+                                    f"got {self.recompute!r}", param="recompute")
         if self.store not in STORE:
             raise InvalidInputError(f"store must be one of {STORE}, got {self.store!r}", param="store")
         if not isinstance(self.sampling, Sampling):
@@ -207,14 +213,17 @@ class Chats:
                                     f"exceeds the model's {self.config.engine.max_model_len}", param="messages",
                                     code=TOO_LONG)
         text_facts = self.config.kv.text_facts if args.text_facts is None else args.text_facts
+        rec = args.recompute or Recompute(self.config.kv.recompute, self.config.kv.recompute_rule)
         # The facts start after the head: where the reader's KV map begins (sent only when reading with it).
-        plan = Plan(INJECT, injected(prompt.segments, text_facts),
-                    map_from=len(self.prompts.head_ids)) if args.mode == "kv" else None
+        plan = Plan(INJECT, injected(prompt.segments, text_facts), map_from=len(self.prompts.head_ids),
+                    recompute=rec if rec.on else None) if args.mode == "kv" else None
         # Only KV-mode chats read with the reader adapter; text mode and encoding never do.
         sampling = args.sampling
         if args.tools is not None and args.tools.forced:  # as vLLM's server: the calls' schema replaces response_format
             sampling = replace(sampling, json_schema=args.tools.schema(), json_object=False, schema_from="tools")
-        request = EngineRequest(prompt.token_ids, salt(args.mode, args.user_id), args.max_tokens, plan,
+        # Recomputed KV differs from plain injection's: cached blocks are shared only at equal settings.
+        purpose = f"kv:{rec.tag}" if args.mode == "kv" and rec.on else args.mode
+        request = EngineRequest(prompt.token_ids, salt(purpose, args.user_id), args.max_tokens, plan,
                                 args.logprobs, reader=args.mode == "kv", route=args.user_id, sampling=sampling)
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return Prepared(facts, request, retrieval_s, scores, tuple(map(len, tokens)), clip(question))
@@ -280,7 +289,7 @@ class Chats:
             cached_tokens=r.cached_tokens - claimed, fallbacks=report.facts_as_text if report else 0,
             fallback_reasons=dict(report.fallbacks) if report else {}, retrieval_s=p.retrieval_s,
             token_ids=r.token_ids, first_logprobs=r.first_logprobs, reader_adapter=r.adapter,
-            choices=choices,
+            choices=choices, recomputed_tokens=report.recomputed_tokens if report else 0,
         )
 
     def _trace(self, r: EngineResult, p: Prepared, args: ChatArgs) -> ChatTrace:

@@ -128,6 +128,12 @@ class KVConfig:
     text_facts: the last N facts of a KV-mode chat are prefilled as text after the injected ones,
       so they attend to every fact before them as in text prefill (closer to text mode's answer,
       for a fixed cost of N facts' tokens whatever k is; measured in docs/benchmarks.md).
+    recompute: the fraction of each injected fact's tokens the connector computes again, layer by
+      layer, over the whole injected cache, so facts attend to the facts before them as in text
+      prefill (kv/recompute.py; 0: plain injection, 1: text prefill's KV). Costs that share of a
+      prefill of the facts.
+    recompute_rule: which tokens: "deviation" (CacheBlend: those whose layer-1 keys differ most
+      from fresh ones), "first" or "last" (of each fact).
     """
 
     codec: str = "none"
@@ -137,11 +143,17 @@ class KVConfig:
     tenant_quota_mib: float | None = None
     shared_url: str | None = None
     text_facts: int = 0
+    recompute: float = 0.0
+    recompute_rule: str = "deviation"
 
     def __post_init__(self) -> None:
         from kvmem.kv.codec_names import check_codec  # not kv.codec: that imports torch
+        from kvmem.kv.recompute import ENGINE_RULES, Recompute
 
         check_codec(self.codec)
+        Recompute(self.recompute, self.recompute_rule)  # ValueError naming what is wrong
+        if self.recompute_rule not in ENGINE_RULES:
+            raise ValueError(f"kv.recompute_rule must be one of {ENGINE_RULES}, got {self.recompute_rule!r}")
         # bool is an int to Python, not a count: True must not mean "one fact".
         if not (isinstance(self.text_facts, int) and not isinstance(self.text_facts, bool) and self.text_facts >= 0):
             raise ValueError(f"kv.text_facts must be an int >= 0, got {self.text_facts!r}")
@@ -213,6 +225,21 @@ class RetrievalConfig:
 
 
 @dataclass(frozen=True)
+class ExtractConfig:
+    """The LLM that `add(..., infer=True)` asks to extract facts and reconcile them (kvmem/extract/).
+
+    url: an OpenAI-compatible API's base URL (".../v1"); None: the served model, through kvmem's
+      own engine (text mode, no memory), so inference needs no second model or service.
+    model: the model name sent to that API (None: the first its GET /models lists).
+    api_key: sent as a Bearer token to that API (None: none sent).
+    """
+
+    url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     home: Path = field(default_factory=default_home)
     models_home: Path | None = None  # where converted models live; default home/models
@@ -222,6 +249,7 @@ class Config:
     prompt: PromptConfig = PromptConfig()
     memory: MemoryConfig = MemoryConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
+    extract: ExtractConfig = ExtractConfig()
     # PostgreSQL URL for facts, history and vectors (facts/pg.py); None: SQLite in home/facts.sqlite.
     database_url: str | None = None
 
@@ -327,6 +355,8 @@ ENV: dict[str, EnvVar] = {
     "engine.url": EnvVar("KVMEM_ENGINE_URL", str, blank_unset=True),
     "engine.vllm_args": EnvVar("KVMEM_VLLM_ARGS", str, blank_unset=True),  # one shell-quoted string
     "kv.codec": EnvVar("KVMEM_KV_CODEC", str),
+    "kv.recompute": EnvVar("KVMEM_KV_RECOMPUTE", float),
+    "kv.recompute_rule": EnvVar("KVMEM_KV_RECOMPUTE_RULE", str),
     "kv.reader_adapter": EnvVar("KVMEM_READER_ADAPTER", str),
     "kv.hot_cache_mib": EnvVar("KVMEM_HOT_CACHE_MIB", int),
     "kv.disk_budget_mib": EnvVar("KVMEM_KV_DISK_BUDGET_MIB", _mib_or_none, blank_unset=True),
@@ -336,6 +366,9 @@ ENV: dict[str, EnvVar] = {
     "retrieval.mode": EnvVar("KVMEM_RETRIEVAL", str),
     "retrieval.depth": EnvVar("KVMEM_RETRIEVAL_DEPTH", int),
     "retrieval.dense_weight": EnvVar("KVMEM_RETRIEVAL_DENSE_WEIGHT", float),
+    "extract.url": EnvVar("KVMEM_EXTRACT_URL", str, blank_unset=True),
+    "extract.model": EnvVar("KVMEM_EXTRACT_MODEL", str, blank_unset=True),
+    "extract.api_key": EnvVar("KVMEM_EXTRACT_API_KEY", str, blank_unset=True),
 }
 
 

@@ -47,6 +47,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "database_url": ("database_url", "--database-url"),
     "kv_shared_url": ("kv.shared_url", "--kv-shared-url"),
     "text_facts": ("kv.text_facts", "--text-facts"),
+    "recompute": ("kv.recompute", "--recompute"),
+    "recompute_rule": ("kv.recompute_rule", "--recompute-rule"),
     "max_model_len": ("engine.max_model_len", "--max-model-len"),
     "gpu_memory_utilization": ("engine.gpu_memory_utilization", "--gpu-memory-utilization"),
     "dtype": ("engine.dtype", "--dtype"),

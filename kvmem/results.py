@@ -93,6 +93,7 @@ class ChatResult:
     choices: tuple[Choice, ...] = ()  # every answer, the first being `answer`/`token_ids` above
     stored: tuple[str, ...] = ()  # fact ids the chat's write-back stored (ChatArgs.store)
     trace_id: str = ""  # its x-ray (KVMem.trace; GET /v1/chats/{id}/trace)
+    recomputed_tokens: int = 0  # injected fact tokens the connector recomputed (kv.recompute)
 
     @property
     def finish_reason(self) -> str:

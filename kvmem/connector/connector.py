@@ -84,7 +84,8 @@ class KvmemConnector(KVConnectorBase_V1):
             # The worker registered its caches (and judged the map) before this side is built.
             mapping = kvmap.load(settings.reader_adapter) is not None \
                 and map_refused(settings.kv_dir, settings.fingerprint) is None
-            self._scheduler = SchedulerSide(store, block_size, kv_map=mapping)
+            recompute = map_refused(settings.kv_dir, settings.fingerprint, "recompute") is None
+            self._scheduler = SchedulerSide(store, block_size, kv_map=mapping, recompute=recompute)
         else:
             store.worker_attached = True
             self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, settings)
@@ -139,6 +140,8 @@ class KvmemConnector(KVConnectorBase_V1):
         """Worker, once at start-up, after the paged caches are allocated (and before the
         scheduler side is built, which reads the worker's verdict on the reader's KV map)."""
         self._worker.register_kv_caches(kv_caches)
+        leave_map_refusal(self._settings.kv_dir, self._settings.fingerprint, self._worker.recompute_refusal,
+                          "recompute")
         if self._settings.reader_adapter:
             leave_map_refusal(self._settings.kv_dir, self._settings.fingerprint, self._worker.map_refusal)
 

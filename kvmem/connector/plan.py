@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvmem.kv.recompute import Recompute
+
 KEY = "kvmem"
 INJECT = "inject"
 ENCODE = "encode"
@@ -42,6 +44,9 @@ class Plan:
     # Injected tokens at prompt positions >= map_from go through the reader's KV map
     # (reader/kvmap.py: the facts, not the header before them); None: none does.
     map_from: int | None = None
+    # Fact tokens recomputed over the injected cache (kv/recompute.py); None: plain injection.
+    # Every segment after the first (the prompt's head) is a fact.
+    recompute: Recompute | None = None
 
     def read_with_reader(self, reading: bool) -> "Plan":
         """This plan as sent for a request that does (or does not) read with the reader adapter:
@@ -52,6 +57,8 @@ class Plan:
         body = {"op": self.op, "segments": [[s.fact_id, s.start, s.length] for s in self.segments]}
         if self.map_from is not None:
             body["map_from"] = self.map_from
+        if self.recompute is not None and self.recompute.on:
+            body["recompute"] = self.recompute.to_params()
         return {KEY: body}
 
     @classmethod
@@ -69,7 +76,9 @@ class Plan:
         map_from = body.get("map_from")
         if map_from is not None and (not isinstance(map_from, int) or isinstance(map_from, bool) or map_from < 0):
             raise ValueError(f"map_from must be None or an int >= 0, got {map_from!r}")
-        return cls(op, tuple(sorted(segments, key=lambda s: s.start)), map_from)
+        recompute = body.get("recompute")
+        recompute = None if recompute is None else Recompute.from_params(recompute)
+        return cls(op, tuple(sorted(segments, key=lambda s: s.start)), map_from, recompute)
 
 
 
@@ -86,6 +95,7 @@ class InjectionReport:
     disk_loads: int = 0  # this request's blobs read from disk into the RAM tier
     fallbacks: Mapping[str, str] = field(default_factory=dict)  # fact id -> why its blob was unusable
     kv_map: bool = False  # the injected facts went through the reader's KV map
+    recomputed_tokens: int = 0  # fact tokens recomputed over the injected cache (kv/recompute.py)
     held_for_copies: int = 0  # encodes whose blocks still wait for the worker's copy
     ram_tier_hits: int = 0  # every worker's RAM-tier hits since the engine started
     ram_tier_loads: int = 0  # every worker's disk loads into the RAM tier since it started
@@ -100,7 +110,8 @@ class InjectionReport:
             "claimed_tokens": self.claimed_tokens, "local_hit_tokens": self.local_hit_tokens,
             "inject_end": self.inject_end, "injected_facts": self.injected_segments,
             "facts_as_text": self.facts_as_text, "ram_hits": self.ram_hits, "disk_loads": self.disk_loads,
-            "fallbacks": dict(self.fallbacks), "kv_map": self.kv_map, "held_for_copies": self.held_for_copies,
+            "fallbacks": dict(self.fallbacks), "kv_map": self.kv_map,
+            "recomputed_tokens": self.recomputed_tokens, "held_for_copies": self.held_for_copies,
             "tier_totals": {"ram_hits": self.ram_tier_hits, "disk_loads": self.ram_tier_loads},
         }}
 
@@ -116,7 +127,8 @@ class InjectionReport:
             inject_end=int(body.get("inject_end", 0)), injected_segments=int(body.get("injected_facts", 0)),
             facts_as_text=int(body.get("facts_as_text", 0)), ram_hits=int(body.get("ram_hits", 0)),
             disk_loads=int(body.get("disk_loads", 0)), fallbacks=dict(body.get("fallbacks") or {}),
-            kv_map=bool(body.get("kv_map", False)), held_for_copies=int(body.get("held_for_copies", 0)),
+            kv_map=bool(body.get("kv_map", False)), recomputed_tokens=int(body.get("recomputed_tokens", 0)),
+            held_for_copies=int(body.get("held_for_copies", 0)),
             ram_tier_hits=int(totals.get("ram_hits", 0)), ram_tier_loads=int(totals.get("disk_loads", 0)),
         )
 
@@ -179,6 +191,7 @@ class LoadJob:
     block_ids: tuple[int, ...]  # the request's blocks in prompt order, up to the last span's end
     spans: tuple[Span, ...]
     map_from: int | None = None  # prompt positions from here on go through the reader's KV map (Plan)
+    recompute: Recompute | None = None  # the plan's: its fact spans' chosen tokens are recomputed
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvmem.connector.plan import ENCODE, INJECT, ConnectorMeta, InjectionReport, LoadJob, Plan, SaveJob, Segment, Span
 from kvmem.errors import BlobError
+from kvmem.kv.recompute import Recompute
 from kvmem.kv.store import KVStore
 
 log = logging.getLogger("kvmem.connector")
@@ -36,6 +37,8 @@ class Claim:
     claimed: int = 0
     ram_hits: int = 0  # blobs already in the shared RAM tier when checked
     disk_loads: int = 0  # blobs read from disk into the shared RAM tier when checked (0 without one)
+    recompute: Recompute | None = None  # the plan's, where the worker can recompute
+    recomputed: int = 0  # fact tokens the worker recomputes (kv/recompute.py counts per fact)
 
 
 @dataclass
@@ -47,8 +50,9 @@ class _SaveTracker:
 
 
 class SchedulerSide:
-    def __init__(self, store: KVStore, block_size: int, kv_map: bool = False) -> None:
+    def __init__(self, store: KVStore, block_size: int, kv_map: bool = False, recompute: bool = True) -> None:
         self.store = store
+        self.recompute = recompute  # the worker can drive this model's layers (connector/recompute.py)
         self.kv_map = kv_map  # the worker sends facts of chats that ask (Plan.map_from) through a KV map
         self.block_size = block_size
         self._claims: dict[str, Claim] = {}
@@ -77,9 +81,12 @@ class SchedulerSide:
             return
         block_ids = blocks.get_block_ids()[0]
         first = claim.end - num_external_tokens
+        spans = _spans(claim.segments, first, claim.end)
+        rec = claim.recompute if self.recompute else None
+        if rec is not None:  # the facts' loaded tokens (never the head, the segment at position 0)
+            claim.recomputed = sum(rec.count(s.length) for s in spans if s.start - s.src > 0)
         self._pending_loads[request.request_id] = LoadJob(
-            request.request_id, tuple(block_ids[: -(-claim.end // self.block_size)]),
-            _spans(claim.segments, first, claim.end), claim.map_from)
+            request.request_id, tuple(block_ids[: -(-claim.end // self.block_size)]), spans, claim.map_from, rec)
 
     def build_meta(self, scheduler_output) -> ConnectorMeta:
         meta = ConnectorMeta(loads=list(self._pending_loads.values()))
@@ -125,6 +132,7 @@ class SchedulerSide:
             injected_segments=len(claim.segments), facts_as_text=claim.facts_as_text, ram_hits=claim.ram_hits,
             disk_loads=claim.disk_loads, fallbacks=claim.fallbacks,
             kv_map=self.kv_map and claim.map_from is not None and claim.map_from < claim.end,
+            recomputed_tokens=claim.recomputed,
             held_for_copies=len(self._held),  # encodes whose blocks still wait for the worker
         )
 
@@ -157,8 +165,9 @@ class SchedulerSide:
             self.fallback_total += as_text
             log.warning("request %s: %d of %d segments served as text (%s); %d fallbacks so far",
                         request.request_id, as_text, len(plan.segments), fallbacks, self.fallback_total)
+        rec = plan.recompute if plan.recompute is not None and plan.recompute.on else None
         return Claim(usable, min(end, len(prompt) - 1), plan.map_from, fallbacks, as_text, ram_hits=ram_hits,
-                     disk_loads=disk_loads)
+                     disk_loads=disk_loads, recompute=rec)
 
     def _bad_blobs(self, segments, prompt: list[int]) -> dict[str, str]:
         """fact id -> reason for each of these segments whose blob cannot serve its tokens."""

@@ -75,17 +75,18 @@ def take_refusal(report_dir: Path) -> str | None:
     return message
 
 
-def map_refusal_file(report_dir: Path, fingerprint: str) -> Path:
-    """Where a worker says why it refused the reader's KV map (reader/kvmap.py), for the engine's
+def map_refusal_file(report_dir: Path, fingerprint: str, what: str = "reader-map") -> Path:
+    """Where a worker says why it refused something of this start (`what`: "reader-map", the
+    reader's KV map, reader/kvmap.py; "recompute", connector/recompute.py), for the engine's
     other processes: the scheduler side is built after the worker registered its caches (vLLM's
     EngineCore sets up the KV caches before the scheduler), and reads it then."""
-    return Path(report_dir) / f"reader-map-refused-{fingerprint[:16]}.txt"
+    return Path(report_dir) / f"{what}-refused-{fingerprint[:16]}.txt"
 
 
-def leave_map_refusal(report_dir: Path, fingerprint: str, reason: str | None) -> None:
-    """Record the worker's verdict on the KV map of this start: why it was refused, or (None)
-    that it fits, which clears an earlier start's refusal."""
-    path = map_refusal_file(report_dir, fingerprint)
+def leave_map_refusal(report_dir: Path, fingerprint: str, reason: str | None, what: str = "reader-map") -> None:
+    """Record the worker's verdict of this start: why it refused `what`, or (None) that it
+    took it, which clears an earlier start's refusal."""
+    path = map_refusal_file(report_dir, fingerprint, what)
     if reason is None:
         path.unlink(missing_ok=True)
         return
@@ -93,12 +94,12 @@ def leave_map_refusal(report_dir: Path, fingerprint: str, reason: str | None) ->
     path.write_text(reason)
 
 
-def map_refused(report_dir: Path | None, fingerprint: str) -> str | None:
-    """Why this start's worker refused the reader's KV map, or None (it took it, or had none)."""
+def map_refused(report_dir: Path | None, fingerprint: str, what: str = "reader-map") -> str | None:
+    """Why this start's worker refused `what`, or None (it took it, or had none)."""
     if report_dir is None:
         return None
     try:
-        return map_refusal_file(report_dir, fingerprint).read_text()
+        return map_refusal_file(report_dir, fingerprint, what).read_text()
     except FileNotFoundError:
         return None
 

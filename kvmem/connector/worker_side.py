@@ -30,6 +30,7 @@ import torch
 from kvmem.connector.blob_writer import BlobWriter, SaveBatch
 from kvmem.connector.paged import PageLayout, slot_mapping
 from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob
+from kvmem.connector.recompute import Recomputer, Rows
 from kvmem.connector.rope import KeyRotator, LayerRotators
 from kvmem.connector.staging import HostStaging, SideStream, synchronize
 from kvmem.errors import AdapterError, BlobError
@@ -66,6 +67,9 @@ class WorkerSide:
         self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py); on the device once registered
         self._key_factors: tuple[torch.Tensor, torch.Tensor] | None = None  # its key a, b per dim [L, H, D]
         self.map_refusal: str | None = None  # why the KV map was dropped at registration, if it was
+        self._recomputer: Recomputer | None = None  # the model's layers, for selective recompute
+        self.recompute_refusal: str | None = None  # why recompute cannot drive this model, if it cannot
+        self.recomputed = 0  # tokens recomputed through every layer since the engine started
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
@@ -77,6 +81,12 @@ class WorkerSide:
         self._stream = SideStream(self._caches[0][1].device)
         self._staging = HostStaging(pin=self._stream.is_async)
         self._heads_from_layers(kv_caches)
+        found = Recomputer.find(self._layers, [name for name, _ in self._caches])
+        if isinstance(found, str):
+            self.recompute_refusal = found
+            log.info("selective recompute unavailable for this model (plain injection): %s", found)
+        else:
+            self._recomputer = found
         if self._kv_map is not None and self._map_fits():
             self._kv_map = self._kv_map.to(self.device, torch.float32)
             # One factor per rotary pair, spread to both of its dims once: [L, H, D] each.
@@ -137,7 +147,26 @@ class WorkerSide:
                 layer = self._layers[name]
                 layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
                 self._layer_events[name] = self._stream.record()
+            if self._recomputer is not None and any(j.recompute is not None and j.recompute.on for j in jobs):
+                self._recompute(jobs, staged)
+                done = self._stream.record()  # every layer's slots are final only now
+                self._layer_events = dict.fromkeys(self._layer_events, done)
         self._staging.release(self._stream.record())
+
+    def _recompute(self, jobs: list[LoadJob], staged: "_Staged") -> None:
+        """Recompute the chosen fact tokens of the jobs that ask, one group per setting."""
+        caches = [cache for _, cache in self._caches]
+        groups: dict = {}
+        at = 0
+        for job in jobs:
+            n = sum(s.length for s in job.spans)
+            if job.recompute is not None and job.recompute.on:
+                groups.setdefault(job.recompute, []).append((job, at))
+            at += n
+        for rec, members in groups.items():
+            rows = Rows.of_jobs(members, rec, staged.token_ids, staged.dst, staged.slots, self.block_size, self.device)
+            if rows is not None:
+                self.recomputed += self._recomputer.run(rows, caches, self._page_layout())
 
     def _layer_keys(self, i: int, staged: "_Staged", moves, dtype: torch.dtype) -> torch.Tensor:
         """Layer i's keys [N, H, D] on the device, decoded and moved to their serving positions."""
@@ -221,7 +250,9 @@ class WorkerSide:
         for (role, name), buf in zip(names, parts):
             by_role[role][name] = buf
         mapped = _mapped_tokens(jobs, positions) if self._kv_map is not None else None
-        return _Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions, mapped)
+        token_ids = torch.tensor([t for span, blob in zip(spans, blobs)
+                                  for t in blob.token_ids[span.src : span.src + span.length]], dtype=torch.long)
+        return _Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions, mapped, token_ids)
 
     def wait_layer(self, layer_name: str) -> None:
         """Called before a layer's attention: its injected K/V must be in the cache by then."""
@@ -301,7 +332,7 @@ class _Staged:
     """One step's injection in the host staging buffer: coded parts [L, N, ...] per role."""
 
     def __init__(self, codec: str, slots: torch.Tensor, key: dict, value: dict, src: torch.Tensor,
-                 dst: torch.Tensor, mapped: torch.Tensor | None = None) -> None:
+                 dst: torch.Tensor, mapped: torch.Tensor | None = None, token_ids: torch.Tensor | None = None) -> None:
         self.key_codec, self.value_codec = role_codecs(codec)
         self.slots = slots  # [N] cache slots
         self.key = key  # part name -> [L, N, ...]
@@ -309,6 +340,7 @@ class _Staged:
         self.src = src  # [N] position each key was cached at when encoded (-1: stored pre-RoPE)
         self.dst = dst  # [N] serving position
         self.mapped = mapped  # [N] bool: tokens that go through the reader's KV map; None when none does
+        self.token_ids = token_ids  # [N] the blobs' tokens (what a recompute embeds)
 
     def moves_to(self, device: torch.device):
         """None when no key moves; else (index of moving tokens or None for all [M], src [M], dst [M])."""
