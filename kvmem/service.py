@@ -21,6 +21,8 @@ from kvmem.config import Config
 from kvmem.encoding import Encoder
 from kvmem.engine.sampling import Sampling
 from kvmem.engine.start import start_engine as start_engine_for
+from kvmem.extract.infer import InferResult, Inferrer
+from kvmem.extract.llm import open_llm
 from kvmem.facts import open_fact_store
 from kvmem.facts.expiry import KEEP
 from kvmem.facts.scope import Scope
@@ -60,6 +62,7 @@ class KVMem:
         self.chats = Chats(c, self.prompts, self.facts, self.retrieval, self.keeper, self.engine)
         self.writes = self.chats.writes = Writes(c, self.facts, self.retrieval, self.keeper, self.chats.check_fact,
                                                  self._write_lock)
+        self.inferrer = Inferrer(open_llm(c.extract, self.chats), self.retrieval, self.facts, self.writes)
         if encoder is not None and background:
             encoder.start()
 
@@ -76,7 +79,7 @@ class KVMem:
             run_id: str | None = None, facts: list[str] | None = None, metadata: dict | None = None,
             context: str = "", window: int | None = None, encode: str = "sync",
             timestamp: str | datetime | None = None, origin: str = "",
-            expiration_date: str | date | None = None) -> AddResult:
+            expiration_date: str | date | None = None, infer: bool = False) -> AddResult | InferResult:
         """Store facts (`facts=[...]`, or a str) or a conversation (a list of messages, one fact per turn).
 
         `timestamp` (facts only; messages carry their own): when the facts held or were said. It
@@ -86,10 +89,12 @@ class KVMem:
         from; searched with them, never encoded or shown (on LoCoMo observations, recall@10 0.659
         -> 0.695, while encoding after the message cost KV-mode log-likelihood). `expiration_date`
         (Mem0's: "2025-12-31" holds through that day, UTC; or a datetime): from then on the facts
-        are never searched, listed or injected, and the next sweep forgets them (sweep_expired)."""
-        return self.writes.add(messages, Scope(user_id, agent_id, run_id), facts=facts, metadata=metadata,
-                               context=context, window=window, encode=encode, timestamp=timestamp, origin=origin,
-                               expiration_date=expiration_date)
+        are never searched, listed or injected, and the next sweep forgets them (sweep_expired).
+        `infer=True` (Mem0's): an LLM extracts facts from `messages` and reconciles them with the
+        stored ones (ADD/UPDATE/DELETE: kvmem/extract/) -> InferResult; nothing stored if it is down."""
+        add = self.inferrer.add if infer else self.writes.add
+        return add(messages, Scope(user_id, agent_id, run_id), facts=facts, metadata=metadata, context=context,
+                   window=window, encode=encode, timestamp=timestamp, origin=origin, expiration_date=expiration_date)
 
     def encode_pending(self, timeout: float = 600.0) -> bool:
         """Block until the background encoder has nothing left to do (started now if this KVMem

@@ -29,6 +29,8 @@ def cmd_add(args: argparse.Namespace, config: Config) -> int:
     messages = _read_messages(args.messages) if args.messages is not None else None
     scope = {"user_id": args.user, "agent_id": args.agent, "run_id": args.run}
     encode = "none" if args.no_encode else "sync"
+    if args.infer:
+        return _add_inferred(args, config, messages, scope, metadata, encode)
     with KVMem(config, start_engine=not args.no_encode, background=False) as mem:
         started = time.time()
         if messages is not None:
@@ -46,11 +48,36 @@ def cmd_add(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _add_inferred(args: argparse.Namespace, config: Config, messages, scope: dict, metadata, encode: str) -> int:
+    """--infer: the facts an LLM extracts from the conversation (or from the FACT arguments, read
+    as the user's messages), reconciled with the stored ones; one line per fact and its event."""
+    from kvmem.service import KVMem
+
+    if args.no_encode and not config.extract.url:
+        raise InvalidInputError("--infer --no-encode needs an extraction endpoint ([extract] url): without "
+                                "one the served model extracts, and --no-encode starts no engine", param="--infer")
+    if messages is None:
+        messages = [{"role": "user", "content": fact} for fact in args.facts]
+    with KVMem(config, start_engine=not args.no_encode, background=False) as mem:
+        result = mem.add(messages, **scope, metadata=metadata, encode=encode, infer=True)
+        for change in result.results:
+            was = f"  (was: {change.previous_memory})" if change.previous_memory is not None else ""
+            print(f"{change.id}  {change.event:9}  {change.memory}{was}")
+        events = [c.event for c in result.results]
+        counts = ", ".join(f"{events.count(e)} {e.lower()}" for e in ("ADD", "UPDATE", "DELETE", "NONE"))
+        encoded = f"; encoded {result.encode.encoded} in {result.encode.seconds:.2f} s" if result.encode else ""
+        print(f"{counts}{encoded}" if events else "no facts extracted")
+    return 0
+
+
 def _check_add(args: argparse.Namespace) -> None:
     """Refuse flag combinations that do not go together, before anything is opened."""
     if bool(args.facts) == (args.messages is not None):
         raise InvalidInputError("give facts as arguments or --messages FILE.json, not both and not neither",
                                 param="FACT")
+    if args.infer and (args.timestamp is not None or args.origin is not None or args.window is not None):
+        raise InvalidInputError("--infer extracts facts from the messages: --timestamp, --origin and --window "
+                                "do not apply", param="--infer")
     if args.window is not None and args.messages is None:
         raise InvalidInputError("--window applies to --messages only", param="--window")
     if args.timestamp is not None and args.messages is not None:
@@ -277,6 +304,9 @@ def add_parsers(sub) -> None:
                    help="with facts: the message they were drawn from; they are searched with it, never encoded after it")
     p.add_argument("--no-encode", action="store_true",
                    help="store and index only, without starting the engine; KV is encoded the next time one starts")
+    p.add_argument("--infer", action="store_true",
+                   help="an LLM extracts facts from the messages (FACT arguments: user messages) and "
+                        "reconciles them with the stored ones: ADD, UPDATE, DELETE (Mem0's infer)")
     p.set_defaults(func=cmd_add)
 
     p = sub.add_parser("search", help="list a user's facts most similar to a query (no engine)",

@@ -10,8 +10,9 @@ routes_memory; a fact of another tenant answers 404 like an unknown one.
 
 Mem0 puts the scope in `filters` ({"user_id": ...} or {"AND": [{"user_id": ...}, ...]}); kvmem
 needs a user id on every scope, and has no app_id. The other filter conditions apply to the
-facts' metadata (kvmem's filter language, docs/filters.md). `infer=True` (LLM extraction) is
-refused with a 400 until kvmem has it; omitted or false, messages are stored as given.
+facts' metadata (kvmem's filter language, docs/filters.md). `infer=True` has an LLM extract facts
+from the messages and reconcile them with the stored ones (kvmem/extract/), as Mem0's platform
+does; omitted or false (kvmem's default, unlike the platform's), messages are stored as given.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvmem.facts.expiry import expires_at_of
 from kvmem.facts.store import MAX_OFFSET
 from kvmem.server import views
 from kvmem.server.errors import ApiError, not_found
+from kvmem.server.routes_memory import add_inferred
 from kvmem.server.settings import SEP
 from kvmem.server.tenants import CurrentTenant, Tenant
 
@@ -144,20 +146,23 @@ def _messages(messages: Any, timestamp: Any) -> list[dict]:
 
 @router.post("/v3/memories/add/")
 async def add(request: Request, tenant: CurrentTenant, body: Any = Body(...)) -> dict:
-    """One fact per turn, stored as given; KV encoded in the background."""
+    """One fact per turn, stored as given; KV encoded in the background. With infer=True, the
+    facts an LLM extracts, each with its event (ADD, UPDATE with previous_memory, DELETE)."""
     body = _body(body)
-    if body.get("infer") is True:
-        raise ApiError(400, "infer=True (LLM fact extraction) is not implemented in kvmem yet: leave it out or "
-                       "send infer=False to store the messages as given", param="infer", code="unsupported_value")
+    infer = body.get("infer")
+    if infer is not None and not isinstance(infer, bool):
+        raise _bad("infer must be true or false", "infer")
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise _bad("metadata must be a JSON object", "metadata")
     scope, _ = _scope(body, tenant)
     rt, mem = _runtime(request)
     started = time.time()
-    result = await rt.call(partial(mem.add, _messages(body.get("messages"), body.get("timestamp")), **scope,
-                                   metadata=metadata, encode="background",
-                                   expiration_date=body.get("expiration_date")))
+    add = partial(mem.add, _messages(body.get("messages"), body.get("timestamp")), **scope, metadata=metadata,
+                  encode="background", expiration_date=body.get("expiration_date"))
+    if infer:
+        return {"results": [{**r, "data": {"memory": r["memory"]}} for r in await add_inferred(rt, mem, tenant, add)]}
+    result = await rt.call(add)
     results, seen = [], set()
     for r in await rt.call(views.records, mem, result.ids):
         # Mem0 says NONE where a turn was already stored (kvmem's NOOP).

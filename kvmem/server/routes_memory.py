@@ -1,6 +1,9 @@
 """The Mem0-shaped memory API under /v1/memories, every scope namespaced by the caller's tenant.
 
-A fact id that is unknown or belongs to another tenant answers 404, the same way.
+A fact id that is unknown or belongs to another tenant answers 404, the same way. An add with
+`infer: true` has an LLM extract facts from the messages and reconcile them with the stored ones
+(kvmem/extract/); it answers Mem0's {"results": [{"id", "memory", "event", ...}]}, and 503 with
+nothing stored when the extraction LLM is unreachable.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from functools import partial
 from fastapi import APIRouter, Query, Request
 
 from kvmem.errors import UnknownFactError
+from kvmem.extract.llm import ExtractorUnavailable
 from kvmem.facts.store import MAX_OFFSET
 from kvmem.server import views
 from kvmem.server.errors import ApiError, not_found
@@ -19,6 +23,10 @@ from kvmem.server.schemas import AddMemories, SearchMemories, UpdateMemory
 from kvmem.server.tenants import CurrentTenant, Tenant
 
 router = APIRouter(prefix="/v1/memories")
+
+
+class AddMemoriesBody(AddMemories):
+    infer: bool = False  # Mem0's: an LLM extracts facts from `messages` and reconciles them (ADD/UPDATE/DELETE)
 
 
 def _runtime(request: Request):
@@ -35,8 +43,9 @@ async def _owned(rt, mem, tenant: Tenant, fact_id: str):
 
 @router.post("")
 @router.post("/", include_in_schema=False)
-async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenant) -> dict:
-    """Store facts now (searchable at once); their KV is encoded in the background unless encode='sync'."""
+async def add_memories(body: AddMemoriesBody, request: Request, tenant: CurrentTenant) -> dict:
+    """Store facts now (searchable at once); their KV is encoded in the background unless encode='sync'.
+    With `infer`, the facts an LLM extracts from `messages`, reconciled with the stored ones."""
     rt, mem = _runtime(request)
     if (body.messages is None) == (body.facts is None):
         raise ApiError(400, "give either messages or facts", param="messages", code="invalid_value")
@@ -48,6 +57,8 @@ async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenan
                   agent_id=body.agent_id, run_id=body.run_id, metadata=body.metadata, window=body.window,
                   encode=body.encode, timestamp=body.timestamp, origin=body.origin,
                   expiration_date=body.expiration_date)
+    if body.infer:
+        return {"results": await add_inferred(rt, mem, tenant, add)}
     result = await rt.call(add)
     records, seen, results = await rt.call(views.records, mem, result.ids), set(), []
     for r in records:
@@ -55,6 +66,18 @@ async def add_memories(body: AddMemories, request: Request, tenant: CurrentTenan
         seen.add(r.id)
         results.append(views.memory(r, tenant, event=event))
     return {"results": results, "created": result.created, "duplicates": result.duplicates}
+
+
+async def add_inferred(rt, mem, tenant: Tenant, add: partial) -> list[dict]:
+    """Run `add` with infer=True -> Mem0's results: each fact with its event (and previous_memory
+    for an UPDATE); a stored one with the fields of views.memory, a deleted one its id and text."""
+    try:
+        result = await rt.call(partial(add, infer=True))
+    except ExtractorUnavailable as e:
+        raise ApiError(503, str(e), type="server_error", param=e.param, code=e.code) from None
+    records = {r.id: r for r in await rt.call(views.records, mem, [c.id for c in result.results])}
+    return [{**(views.memory(records[c.id], tenant) if c.id in records and c.event != "DELETE" else {}),
+             **c.as_mem0()} for c in result.results]
 
 
 FILTERS_QUERY = Query(None, description='metadata filters as a JSON object, e.g. {"OR": [{"a": 1}, {"b": "*"}]}')

@@ -69,6 +69,21 @@ def test_add_get_list_search_update_history_delete(mem0):
     assert mem0.get_all(filters={"user_id": user})["count"] == 0
 
 
+def test_add_with_infer_returns_mem0s_results(mem0):
+    """infer=True: an LLM (the served model) extracts the facts; what a 135M model keeps is not
+    pinned, only Mem0's shape and that what it reports is what is stored."""
+    user = "mem0-infer"
+    added = mem0.add(TURNS, user_id=user, infer=True, metadata={"topic": "bees"})["results"]
+    assert added and all(m["event"] in ("ADD", "NONE") and m["id"].startswith("f-") for m in added)
+    assert all(m["memory"] == m["data"]["memory"] and m["metadata"]["topic"] == "bees" for m in added)
+    stored = {m["id"]: m["memory"] for m in mem0.get_all(filters={"user_id": user})["results"]}
+    assert stored == {m["id"]: m["memory"] for m in added}
+    again = mem0.add([{"role": "user", "content": "I now keep five hives in Ghent."}], user_id=user, infer=True)
+    for m in again["results"]:
+        assert m["event"] in ("ADD", "UPDATE", "DELETE", "NONE") and ("previous_memory" in m) == (m["event"] == "UPDATE")
+    mem0.delete_all(user_id=user)
+
+
 def test_users_and_batch_update_delete(mem0, server):
     user = "mem0-batch"
     ids = [m["id"] for m in mem0.add(TURNS, user_id=user, agent_id="keeper")["results"]]
@@ -112,7 +127,7 @@ def test_errors_come_back_as_the_clients_exceptions(mem0, server):
             mem0.history(memory_id)
     assert beta.get(theirs)["memory"] == "user: I am beta's."
     with pytest.raises(ValidationError, match="infer"):
-        mem0.add(TURNS, user_id="mem0-errors", infer=True)
+        mem0.add(TURNS, user_id="mem0-errors", infer="maybe")
     assert mem0.add(TURNS[:1], user_id="mem0-errors", infer=False)["results"][0]["event"] == "ADD"
     dated = mem0.add("We took the first honey.", user_id="mem0-errors", timestamp=1683590400)["results"][0]
     assert dated["memory"].startswith("[9 May 2023") and dated["memory"].endswith("user: We took the first honey.")
@@ -153,7 +168,7 @@ def test_async_client_round_trips(server):
         with pytest.raises(MemoryNotFoundError):
             await client.get(ids[0])
         with pytest.raises(ValidationError):
-            await client.add(TURNS, user_id=user, infer=True)
+            await client.add(TURNS, user_id=user, infer="maybe")
         await client.add(TURNS[:1], user_id=user)
         assert "deleted" in (await client.delete_all(user_id=user))["message"]
         assert (await client.get_all(filters={"user_id": user}))["count"] == 0
