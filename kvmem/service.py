@@ -7,7 +7,7 @@
         r = mem.chat("What is my sister's puppy called?", user_id="alice", k=5, mode="kv")
 
 KVMem is the facade and composition root: it builds the rooms (retrieval, keeper, writes, chat:
-the README's code map says what each does) and hands them to each other.
+the code map in docs/how-it-works.md says what each does) and hands them to each other.
 """
 
 from __future__ import annotations
@@ -174,10 +174,10 @@ class KVMem:
         return self.chats.stream(messages, _chat_args(user_id, options), cancel=cancel)
 
     def score(self, messages: str | list[dict], answer: str, *, user_id: str, fact_ids: list[str],
-              mode: str = "kv", reader: bool = True) -> list[float]:
+              mode: str = "kv", reader: bool = True, recompute=None) -> list[float]:
         """Teacher forcing: the logprob of each token of `answer` as the reply, with these facts
-        (read as `chat` reads them, `reader` included)."""
-        args = ChatArgs(user_id, k=1, fact_ids=fact_ids, mode=mode, max_tokens=1)
+        (read as `chat` reads them, `reader` and `recompute` included)."""
+        args = ChatArgs(user_id, k=1, fact_ids=fact_ids, mode=mode, max_tokens=1, recompute=recompute)
         return self.chats.score(messages, answer, args, reader=reader)
 
     def scopes(self, user_prefix: str = ""):

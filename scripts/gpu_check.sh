@@ -9,7 +9,9 @@
 #    inject with side stream and pinned staging, and the engine oracles: k=1, true-prefix k=10,
 #    fallback, isolation) on the bundled SmolLM2-135M;
 # 3. runs `kvmem bench ttft` (k = 0, 10, 50, 100; text vs kv vs the engine's own prefix-cache hit)
-#    for SmolLM2-135M (real weights) and a Llama-3.1-8B-shaped model (load_format=dummy).
+#    for SmolLM2-135M (real weights) and a Llama-3.1-8B-shaped model (load_format=dummy), the
+#    latter with selective recompute of 15% of the fact tokens (kv.recompute): its table has kv
+#    with recompute and "kv_all" (plain injection) side by side.
 # Each step has its own time limit; the whole check stays under 8 minutes. Results: OUT/steps.log,
 # OUT/gpu-tests.log, OUT/smollm2/ttft.json, OUT/llama8b/ttft.json (+ their PNG and markdown).
 set -uo pipefail
@@ -66,5 +68,5 @@ bench() {  # name, timeout, extra kvmem args...
   step "bench ttft $name exit $?"
 }
 bench smollm2 90
-KVMEM_LOAD_FORMAT=dummy bench llama8b 150 --model "$KVMEM_HOME/models/llama-3.1-8b-shape"
+KVMEM_KV_RECOMPUTE=0.15 KVMEM_LOAD_FORMAT=dummy bench llama8b 180 --model "$KVMEM_HOME/models/llama-3.1-8b-shape"
 step "done"

@@ -23,6 +23,7 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     t = bench.add_parser("ttft", help="TTFT vs number of injected facts k")
     t.add_argument("--ks", type=_ints, default=(0, 5, 10, 25, 50, 100), help="comma-separated k values")
     t.add_argument("--reps", type=int, default=7, help="repetitions per k and mode (default: 7)")
+    recompute_options(t)
     data_options(t, "ttft")
     t.set_defaults(func=cmd_ttft)
     ld = bench.add_parser("load", help="throughput with concurrent users, k facts each")
@@ -109,6 +110,7 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     lc.add_argument("--text-facts", type=non_negative_int, default=None,
                     help="KV mode prefills its last N facts as text (default: the configured kv.text_facts, "
                          "KVMEM_KV_TEXT_FACTS, 0)")
+    recompute_options(lc)
     data_options(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
     rt = ev.add_parser("retrieval", help="LoCoMo evidence recall@5/10/20 per category: dense, lexical, hybrid")
@@ -260,6 +262,23 @@ def _codec_list(text: str) -> tuple[str, ...]:
     return codecs
 
 
+def recompute_options(p) -> None:
+    """--recompute / --recompute-rule, which reach config.kv through the overlay (config_overlay.FLAGS)."""
+    from kvmem.kv.recompute import ENGINE_RULES
+
+    p.add_argument("--recompute", type=float, default=None,
+                   help="fraction of each fact's tokens recomputed at injection (default: the configured "
+                        "kv.recompute, KVMEM_KV_RECOMPUTE, 0)")
+    p.add_argument("--recompute-rule", choices=ENGINE_RULES, default=None,
+                   help="which tokens are recomputed (default: the configured kv.recompute_rule, deviation)")
+
+
+def _recompute_tag(config) -> str:
+    from kvmem.kv.recompute import Recompute
+
+    return Recompute(config.kv.recompute, config.kv.recompute_rule).tag
+
+
 def cmd_locomo(args, config) -> int:
     from kvmem.bench import eval_locomo, eval_report
 
@@ -267,7 +286,8 @@ def cmd_locomo(args, config) -> int:
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
                                  seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs,
                                  text_facts=config.kv.text_facts, observation_window=args.observation_window,
-                                 observation_origin=args.observation_origin)
+                                 observation_origin=args.observation_origin,
+                                 recompute=_recompute_tag(config))
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")

@@ -48,6 +48,7 @@ class EvalConfig:
     text_facts: int = 0  # the last facts KV mode prefills as text (the service's kv.text_facts, set by the caller)
     observation_window: int | None = None  # with memory "both": the observations' window (None: 0)
     observation_origin: bool = False  # observations searched with the turn they restate (never encoded)
+    recompute: str = "off"  # the service's kv.recompute setting (Recompute.tag), set by the caller: names the run
 
     def __post_init__(self):
         if self.observation_window is not None and self.memory != "both":
@@ -88,7 +89,8 @@ class EvalConfig:
         ranking = f"-{self.ranking}" if self.ranking else ""
         codecs = "-codecs-" + "+".join(self.codecs) if self.codecs else ""
         text = f"-text-facts-{self.text_facts}" if self.text_facts else ""
-        return f"locomo-{self.memory_name}-k{self.k}{sample}{subset}{ranking}{codecs}{text}"
+        rc = f"-recompute-{self.recompute}" if self.recompute != "off" else ""
+        return f"locomo-{self.memory_name}-k{self.k}{sample}{subset}{ranking}{codecs}{text}{rc}"
 
 
 def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True) -> str:
@@ -168,12 +170,9 @@ def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | Non
     gold = str(q["answer"])
     row = {"question": q["question"], "answer": gold, "category": q["category"], "fact_ids": ids,
            "recall": len(evidence & found) / len(evidence) if evidence else None}
-    # With a reader adapter, "kv" reads with it and "kv_plain" is the same chat without it.
-    modes = MODES + (("kv_plain",) if mem.engine.reader_adapter else ())
-    for mode in modes:
-        engine_mode, reader = ("kv", False) if mode == "kv_plain" else (mode, True)
-        r = mem.chat(q["question"], user_id=user, fact_ids=ids, mode=engine_mode, max_tokens=cfg.max_tokens, reader=reader)
-        lls = mem.score(q["question"], gold, user_id=user, fact_ids=ids, mode=engine_mode, reader=reader)
+    for mode, (engine_mode, options) in _modes(mem).items():
+        r = mem.chat(q["question"], user_id=user, fact_ids=ids, mode=engine_mode, max_tokens=cfg.max_tokens, **options)
+        lls = mem.score(q["question"], gold, user_id=user, fact_ids=ids, mode=engine_mode, **options)
         row[mode] = {"answer": r.answer, "f1": locomo_f1(r.answer, gold, q["category"]),
                      "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s, "first": {str(t): v for t, v in r.first_logprobs.items()}}
     for codec, (copy_user, id_of) in (copies or {}).items():  # as served: with the reader, if any
@@ -184,10 +183,37 @@ def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | Non
                               "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s,
                               "first": {str(t): v for t, v in r.first_logprobs.items()}}
         row[f"top1_agree_lossless_{codec}"] = _first_token(row["kv"]["first"], row[f"kv_{codec}"]["first"])[0]
-    for mode, suffix in [("kv", ""), ("kv_plain", "_plain")] + [(f"kv_{c}", f"_{c}") for c in (copies or {})]:
+    for mode, suffix in [("kv", ""), ("kv_plain", "_plain"), ("kv_norc", "_norc")] + \
+            [(f"kv_{c}", f"_{c}") for c in (copies or {})]:
         if mode in row:
             row["top1_agree" + suffix], row["kl_text_kv" + suffix] = _first_token(row["text"]["first"], row[mode]["first"])
+            row["top1_agree_tie" + suffix] = _tie_aware(row["text"]["first"], row[mode]["first"])
+            row["same_answer" + suffix] = row[mode]["answer"] == row["text"]["answer"]
     return row
+
+
+def _modes(mem) -> dict[str, tuple[str, dict]]:
+    """Each answering mode of a question -> (the chat's mode, its options). With a reader adapter,
+    "kv" reads with it and "kv_plain" is the same chat without it; with kv.recompute on, "kv"
+    recomputes and "kv_norc" is the same chat with plain injection."""
+    from kvmem.kv.recompute import Recompute
+
+    modes = {m: (m, {}) for m in MODES}
+    if mem.engine.reader_adapter:
+        modes["kv_plain"] = ("kv", {"reader": False})
+    if mem.config.kv.recompute > 0:
+        modes["kv_norc"] = ("kv", {"recompute": Recompute(0.0)})
+    return modes
+
+
+def _tie_aware(text: dict, kv: dict) -> bool | None:
+    """Top-1 agreement that counts a question whose text-mode top-2 first tokens are within bf16
+    resolution of each other (|a - b| <= 2^-8 max(|a|, |b|)) as agreeing if kv picks either."""
+    if not text or not kv:
+        return None
+    (t1, a), (t2, b) = sorted(((int(t), v) for t, v in text.items()), key=lambda x: -x[1])[:2]
+    pick = int(max(kv, key=kv.get))
+    return pick in (t1, t2) if abs(a - b) <= 2 ** -8 * max(abs(a), abs(b)) else pick == t1
 
 
 def _first_token(text: dict, kv: dict) -> tuple[bool | None, float]:

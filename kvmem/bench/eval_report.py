@@ -9,6 +9,7 @@ from pathlib import Path
 from kvmem.bench.metrics import bootstrap_ci, ratio_ci
 
 MODES = ("text", "kv", "off")
+VARIANTS = {"kv_plain": "without the reader adapter", "kv_norc": "without recompute (plain injection)"}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -24,10 +25,11 @@ def _group(rows: list[dict]) -> dict:
         out[f"f1_{mode}"] = bootstrap_ci([r[mode]["f1"] for r in rows])
         out[f"ll_{mode}"] = bootstrap_ci([r[mode]["ll"] for r in rows])
     out.update(_kv_fidelity(rows, "kv", ""))
-    if all("kv_plain" in r for r in rows):  # run with a reader adapter: kv without it, same questions
-        out["f1_kv_plain"] = bootstrap_ci([r["kv_plain"]["f1"] for r in rows])
-        out["ll_kv_plain"] = bootstrap_ci([r["kv_plain"]["ll"] for r in rows])
-        out.update(_kv_fidelity(rows, "kv_plain", "_plain"))
+    for mode in VARIANTS:  # kv without the reader adapter / without recompute, same questions
+        if all(mode in r for r in rows):
+            out[f"f1_{mode}"] = bootstrap_ci([r[mode]["f1"] for r in rows])
+            out[f"ll_{mode}"] = bootstrap_ci([r[mode]["ll"] for r in rows])
+            out.update(_kv_fidelity(rows, mode, mode.removeprefix("kv")))
     for mode in codec_modes(rows):  # kv_<codec>: the same KV re-coded, same questions
         out[f"f1_{mode}"] = bootstrap_ci([r[mode]["f1"] for r in rows])
         out[f"ll_{mode}"] = bootstrap_ci([r[mode]["ll"] for r in rows])
@@ -40,7 +42,7 @@ def _group(rows: list[dict]) -> dict:
 
 def codec_modes(rows: list[dict]) -> list[str]:
     """The kv_<codec> modes every row has (an eval run with --codecs)."""
-    modes = [m for m in rows[0] if m.startswith("kv_") and m != "kv_plain" and isinstance(rows[0][m], dict)]
+    modes = [m for m in rows[0] if m.startswith("kv_") and m not in VARIANTS and isinstance(rows[0][m], dict)]
     return [m for m in modes if all(m in r for r in rows)]
 
 
@@ -54,6 +56,11 @@ def _kv_fidelity(rows: list[dict], mode: str, suffix: str) -> dict:
         f"top1_agree{suffix}": bootstrap_ci([float(r["top1_agree" + suffix]) for r in rows
                                              if r["top1_agree" + suffix] is not None]),
         f"kl_text_kv{suffix}": bootstrap_ci([r["kl_text_kv" + suffix] for r in rows]),
+        # Runs from before these two were recorded have neither: nan.
+        f"top1_agree_tie{suffix}": bootstrap_ci([float(r["top1_agree_tie" + suffix]) for r in rows
+                                                 if r.get("top1_agree_tie" + suffix) is not None]),
+        f"same_answer{suffix}": bootstrap_ci([float(r["same_answer" + suffix]) for r in rows
+                                              if r.get("same_answer" + suffix) is not None]),
     }
 
 
@@ -71,14 +78,25 @@ def markdown(summary: dict, title: str) -> str:
                      f"{_ci(g['f1_retention_kv'])} | "
                      f"{_ci(g['ll_text'])} | {_ci(g['ll_kv'])} | {_ci(g['ll_off'])} | {_ci(g['ll_retention_kv'])} | "
                      f"{_ci(g['top1_agree'])} | {_ci(g['kl_text_kv'])} | {_ci(g['recall_at_k'])} |")
-    if all("f1_kv_plain" in g for g in summary.values()):
-        lines += ["", "KV mode without the reader adapter, same questions and engine:", "",
-                  "| group | F1 kv plain | F1 retention | LL kv plain | LL retention | top-1 agree | KL(text‖kv) |",
+    lines += ["", "First token and whole answer against text mode's (tie-aware: text's top two within bf16 "
+              "resolution count either way):", "", "| group | variant | top-1 agree | tie-aware | same answer |",
+              "|" + "---|" * 5]
+    for mode in ("kv", *VARIANTS):
+        s = mode.removeprefix("kv")
+        lines += [f"| {name} | {mode} | {_ci(g['top1_agree' + s])} | {_ci(g['top1_agree_tie' + s])} | "
+                  f"{_ci(g['same_answer' + s])} |" for name, g in summary.items() if f"f1_{mode}" in g]
+    for mode, what in VARIANTS.items():
+        if not all(f"f1_{mode}" in g for g in summary.values()):
+            continue
+        s = mode.removeprefix("kv")
+        lines += ["", f"KV mode {what}, same questions and engine:", "",
+                  f"| group | F1 {mode} | F1 retention | LL {mode} | LL retention | top-1 agree | KL(text‖kv) |",
                   "|" + "---|" * 7]
-        lines += [f"| {name} | {_ci(g['f1_kv_plain'])} | {_ci(g['f1_retention_kv_plain'])} | {_ci(g['ll_kv_plain'])} | "
-                  f"{_ci(g['ll_retention_kv_plain'])} | {_ci(g['top1_agree_plain'])} | {_ci(g['kl_text_kv_plain'])} |"
+        lines += [f"| {name} | {_ci(g[f'f1_{mode}'])} | {_ci(g[f'f1_retention_kv{s}'])} | {_ci(g[f'll_{mode}'])} | "
+                  f"{_ci(g[f'll_retention_kv{s}'])} | {_ci(g[f'top1_agree{s}'])} | {_ci(g[f'kl_text_kv{s}'])} |"
                   for name, g in summary.items()]
-    codecs = [m.removeprefix("f1_kv_") for m in summary["overall"] if m.startswith("f1_kv_") and m != "f1_kv_plain"]
+    codecs = [m.removeprefix("f1_kv_") for m in summary["overall"]
+              if m.startswith("f1_kv_") and m.removeprefix("f1_") not in VARIANTS]
     if codecs:
         lines += ["", "KV mode per codec (the same blobs re-coded, read as served), overall:", "",
                   "| codec | F1 kv | F1 retention | LL kv | LL retention | top-1 agree | KL(text‖kv) | top-1 agree vs none |",

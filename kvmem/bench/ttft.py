@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kvmem.bench import locomo
 from kvmem.bench.metrics import median_ratio_ci
 from kvmem.bench.report import plot_lines, summary, write_json
+from kvmem.kv.recompute import Recompute
 
 USER = "bench-ttft"
 DEFAULT_KS = (0, 5, 10, 25, 50, 100)
@@ -39,8 +40,10 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
         mem.chat(questions[0], user_id=USER, fact_ids=ids[:5], mode=mode, max_tokens=1)
     # With a reader adapter, "kv" reads with it and "kv_plain" is KV mode without it: its TTFT cost.
     others = ("kv_plain",) if mem.engine.reader_adapter else ()
-    # With kv.text_facts, "kv" prefills its last facts as text and "kv_all" injects every fact: its cost.
-    others += ("kv_all",) if mem.config.kv.text_facts else ()
+    # With kv.text_facts or kv.recompute, "kv" prefills its last facts as text or recomputes some
+    # fact tokens, and "kv_all" injects every fact plainly: their cost.
+    plain = Recompute(0.0)
+    others += ("kv_all",) if mem.config.kv.text_facts or mem.config.kv.recompute else ()
     rows = []
     for k in tqdm(ks, desc="bench ttft", unit="k"):
         times = {m: [] for m in ("text", "kv", *others, "cached", "facts_hit")}
@@ -53,7 +56,8 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
                 q = questions[(at + (mode == "facts_hit")) % len(questions)]
                 r = mem.chat(q, user_id=USER, fact_ids=chosen, mode="kv" if mode.startswith("kv") else "text",
                              max_tokens=1, logprobs=None, reader=mode != "kv_plain",
-                             text_facts=0 if mode == "kv_all" else None)
+                             text_facts=0 if mode == "kv_all" else None,
+                             recompute=plain if mode == "kv_all" else None)
                 times[mode].append(r.ttft_s)
                 tokens = r.prompt_tokens
         stats = {m: summary(t) for m, t in times.items()}
@@ -71,7 +75,8 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
     k0 = next((r for r in rows if r["k"] == 0), None)
     growth = {m: rows[-1][m]["median"] / k0[m]["median"] for m in ("kv", "cached")} if k0 else {}
     return {"bench": "ttft", "reader_adapter": str(mem.engine.reader_adapter or ""),
-            "text_facts": mem.config.kv.text_facts, "facts_pool": len(ids), "reps": reps, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "text_facts": mem.config.kv.text_facts,
+            "recompute": Recompute(mem.config.kv.recompute, mem.config.kv.recompute_rule).tag, "facts_pool": len(ids), "reps": reps, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "encode_seconds": added.encode.seconds if added.encode else None, "rows": rows,
             "kv_growth_max_k_over_k0": growth.get("kv"), "cached_growth_max_k_over_k0": growth.get("cached")}
 
@@ -119,8 +124,9 @@ def report(result: dict, out: Path) -> str:
         lines += [f"| {r['k']} | {ms(r['kv_plain'])} | {r['ratio_median_plain']:.2f}x | {r['adapter_ratio_share']:.2f} |"
                   for r in result["rows"]]
     if any("kv_all" in r for r in result["rows"]):
-        lines.append(f"\nkv above prefills its last {result['text_facts']} facts as text (kv.text_facts); "
-                     "injecting every fact instead, same run:\n\n"
+        what = (f"prefills its last {result['text_facts']} facts as text (kv.text_facts)" if result.get("text_facts")
+                else f"recomputes fact tokens ({result.get('recompute')}, kv.recompute)")
+        lines.append(f"\nkv above {what}; injecting every fact plainly instead, same run:\n\n"
                      "| k | kv, all injected, median (p90) ms | text/kv all injected | text/kv with / without |\n|---|---|---|---|")
         lines += [f"| {r['k']} | {ms(r['kv_all'])} | {r['ratio_median_all']:.2f}x | {r['text_facts_ratio_share']:.2f} |"
                   for r in result["rows"]]

@@ -57,3 +57,15 @@ def test_connector_settings_state_their_defaults_once():
                                                                      "hot_cache_mib": "lots"}):
         with pytest.raises(ValueError, match="kv_connector_extra_config"):
             ConnectorSettings.from_params(broken)
+
+
+def test_recompute_travels_only_when_on_and_broken_settings_raise():
+    from kvmem.kv.recompute import Recompute
+
+    plan = Plan(INJECT, (Segment("head", 0, 10), Segment("a", 10, 5)), recompute=Recompute(0.1, "last"))
+    assert Plan.from_params(plan.to_params()) == plan
+    off = Plan(INJECT, plan.segments, recompute=Recompute(0.0))
+    assert "recompute" not in off.to_params()["kvmem"] and Plan.from_params(off.to_params()).recompute is None
+    for bad in ({"fraction": 2}, {"fraction": 0.1, "rule": "psychic"}, "0.1", {"fraction": True}):
+        with pytest.raises(ValueError, match="recompute"):
+            Plan.from_params({"kvmem": {**plan.to_params()["kvmem"], "recompute": bad}})
