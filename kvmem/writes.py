@@ -6,24 +6,20 @@ background. Forgetting a fact, for whatever reason, goes through one path (`_for
 both indexes (Retrieval.unindex, which also frees its place in the disk budget) and its blob gone.
 Expired facts (kvmem.facts.expiry) leave by that path too, swept at the start of every add and on
 demand (`sweep_expired`). A batch of reconciled changes (`apply_changes`, for add with infer)
-is written in one store transaction, so it lands whole or not at all.
+is written in one store transaction (kvmem.facts.changes), so it lands whole or not at all.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from kvmem.config import Config
-from kvmem.errors import InvalidInputError, UnknownFactError
-from kvmem.facts import sql
-from kvmem.facts.checks import metadata_json, new_row
+from kvmem.errors import InvalidInputError
+from kvmem.facts.changes import CHANGE_EVENTS, Change, Changed
 from kvmem.facts.expiry import KEEP, expires_at_of
 from kvmem.facts.inputs import CheckText, fact_items
-from kvmem.facts.records import content_hash, record, vector_blob
 from kvmem.facts.scope import Scope
 from kvmem.facts.store import FactRecord
 from kvmem.keeper import BlobKeeper, check_encode_mode
@@ -131,37 +127,7 @@ class Writes:
 
 
 # -- a batch of reconciled changes (add(..., infer=True): kvmem/extract/) --------------------------
-
-CHANGE_EVENTS = ("ADD", "UPDATE", "DELETE")
-INFER_SOURCE = {"source": "infer"}  # marks, in a fact's metadata, that an LLM's decision wrote it
-
-
-@dataclass(frozen=True)
-class Change:
-    """One decision to apply: ADD `text`, UPDATE fact `fact_id` to `text`, or DELETE `fact_id`.
-    `origin`: the message the text was drawn from (searched with it, never encoded or shown)."""
-
-    event: str
-    text: str = ""
-    fact_id: str | None = None
-    origin: str = ""
-    metadata: dict | None = None  # ADD: the new fact's; UPDATE: merged over the stored fact's
-    event_time: str | None = None
-
-
-@dataclass(frozen=True)
-class Changed:
-    """What a change did, in Mem0's terms: `event` ADD, UPDATE, DELETE, or NONE (an ADD whose
-    text the scope already held); `memory` the text now (a DELETE's: the text forgotten)."""
-
-    id: str
-    memory: str
-    event: str
-    previous_memory: str | None = None
-
-    def as_mem0(self) -> dict:
-        out = {"id": self.id, "memory": self.memory, "event": self.event}
-        return out if self.previous_memory is None else {**out, "previous_memory": self.previous_memory}
+# Change and Changed live with the store writes (kvmem.facts.changes); extract imports them here.
 
 
 def apply_changes(writes: Writes, changes: list[Change], scope: Scope, *, encode: str = "background",
@@ -179,7 +145,7 @@ def apply_changes(writes: Writes, changes: list[Change], scope: Scope, *, encode
                    if texts else [])
     prepared = [(c, None if c.event == "DELETE" else next(vectors)) for c in kept]
     with writes._lock:
-        done = _in_one_transaction(writes.facts, scope, prepared, expires_at)
+        done = writes.facts.apply_changes(scope, prepared, expires_at)
         for (_, vector), (changed, record) in zip(prepared, done):
             event = changed.event if changed is not None else None
             if event == "DELETE":
@@ -205,79 +171,3 @@ def _storable(writes: Writes, change: Change) -> bool:
         log.warning("change dropped (%s): %r", e, change)
         return False
     return True
-
-
-def _in_one_transaction(store, scope: Scope, prepared: list, expires_at) -> list[tuple[Changed | None, object]]:
-    """Every change's store write in one transaction of `store` (the same one FactStore's own
-    multi-statement writes run in); -> (Changed or None if dropped, its record) per change."""
-    # FactStore has no batch of mixed writes; its transaction and statements are used directly
-    # rather than one public call per change, which would commit each and break all-or-nothing.
-    with store._tx() as conn:
-        done = [STEPS[c.event](store._dialect, conn, scope, c, vector, expires_at) for c, vector in prepared]
-    if any(changed is not None and changed.event == "DELETE" for changed, _ in done):
-        store._forgotten()
-    return done
-
-
-def _add_row(dialect, conn, scope: Scope, change: Change, vector, expires_at):
-    row = new_row(scope, change.text, metadata={**(change.metadata or {}), **INFER_SOURCE}, origin=change.origin,
-                  event_time=change.event_time, embedding=vector, expires_at=expires_at)
-    record, created = sql.insert(conn, row)
-    if not created:
-        return Changed(record.id, record.text, "NONE"), record
-    dialect.changed(conn, "add", {"id": record.id, "user_id": record.user_id})
-    return Changed(record.id, record.text, "ADD"), record
-
-
-def _update_row(dialect, conn, scope: Scope, change: Change, vector, expires_at):
-    old = _owned_row(conn, scope, change)
-    if old is None:
-        return None, None
-    text = change.text.strip()
-    if text == old["text"]:
-        return Changed(old["id"], text, "NONE"), None  # Mem0's answer for a memory already so
-    if _duplicate(conn, old, text):
-        return None, None
-    metadata = {**json.loads(old["metadata"]), **(change.metadata or {}), **INFER_SOURCE}
-    now = time.time()
-    columns = {"text": text, "content_hash": content_hash(text), "metadata": metadata_json(metadata),
-               "origin": change.origin, "embedding": vector_blob(vector), "embedding_dim": vector.size,
-               "updated_at": now}
-    columns.update(kv_status="pending", kv_attempts=0)  # the blob was made from the old words
-    sql.set_columns(conn, old["id"], columns)
-    sql.log(conn, "UPDATE", old, old["text"], text, now)
-    dialect.changed(conn, "update", old)
-    return Changed(old["id"], text, "UPDATE", old["text"]), record(sql.fetch(conn, old["id"]))
-
-
-def _delete_row(dialect, conn, scope: Scope, change: Change, vector, expires_at):
-    old = _owned_row(conn, scope, change)
-    if old is None:
-        return None, None
-    sql.forget(conn, [old])
-    dialect.changed(conn, "delete", old)
-    return Changed(old["id"], old["text"], "DELETE"), None
-
-
-def _owned_row(conn, scope: Scope, change: Change):
-    """The stored row the change is about, or None (logged) when it is gone or another scope's."""
-    try:
-        row = sql.fetch(conn, change.fact_id)
-    except (UnknownFactError, InvalidInputError):
-        row = None
-    if row is None or row["scope_key"] != scope.key:
-        log.warning("%s of %r dropped: no such fact in scope %s", change.event, change.fact_id, scope.key)
-        return None
-    return row
-
-
-def _duplicate(conn, old, text: str) -> bool:
-    try:
-        sql.refuse_duplicate(conn, old, content_hash(text))
-    except InvalidInputError as e:
-        log.warning("UPDATE of %r dropped: %s", old["id"], e)
-        return True
-    return False
-
-
-STEPS = {"ADD": _add_row, "UPDATE": _update_row, "DELETE": _delete_row}  # event -> its store write

@@ -21,9 +21,10 @@ from kvmem.errors import KvmemError
 
 __all__ = ["build_parser", "leaf_commands", "main"]
 
-# Commands that load no Hugging Face model (search embeds its query in NumPy), so they skip
-# transformers' import (a second of a cold start) that quieting its progress bars costs.
-STORE_ONLY = frozenset({"list", "get", "history", "stats", "export", "search"})
+# Commands that load no Hugging Face model (search embeds its query in NumPy; config only reads
+# settings), so they skip transformers' import (a second of a cold start) that quieting its
+# progress bars costs, and run where transformers is not installed (tests/test_wheel.py).
+LIGHT_COMMANDS = frozenset({"list", "get", "history", "stats", "export", "search", "config"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_server(args)
     if args.command == "forget" and not args.all and not args.ids:
         parser.error("forget: give fact ids or --all")
-    _quiet_logs(args.verbose, hf=args.command not in STORE_ONLY)
+    _quiet_logs(args.verbose, hf=args.command not in LIGHT_COMMANDS)
     try:
         return args.func(args, from_args(args).config)
     except KvmemError as e:

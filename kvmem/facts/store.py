@@ -39,6 +39,7 @@ import numpy as np
 from kvmem.errors import InvalidInputError, KvmemError, UnknownFactError
 from kvmem.facts import sql
 from kvmem.facts.bulk import Bulk
+from kvmem.facts.changes import Changes
 from kvmem.facts.checks import as_vector, check_item, check_page, check_text, lookup_id, metadata_json, new_row
 from kvmem.facts.dialect import Connection, Dialect
 from kvmem.facts.expiry import Expiry
@@ -65,7 +66,7 @@ __all__ = ["FactRecord", "FactStore", "HistoryEvent", "KV_STATUSES", "MAX_LIMIT"
 _CHUNK = 1000  # rows per lock hold when streaming, so long scans never starve writers
 
 
-class FactStore(Expiry, Bulk):
+class FactStore(Expiry, Bulk, Changes):
     """The facts of every user, in the SQLite file at `path` (PgFactStore: in PostgreSQL)."""
 
     def __init__(self, path: Path | str) -> None:

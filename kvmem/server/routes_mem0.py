@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request
 
-from kvmem.errors import InvalidInputError, UnknownFactError
+from kvmem.errors import InvalidInputError
 from kvmem.facts.expiry import expires_at_of
 from kvmem.facts.store import MAX_OFFSET
 from kvmem.server import views
@@ -255,20 +255,12 @@ async def delete(memory_id: str, request: Request, tenant: CurrentTenant, delete
     return {"message": "Memory deleted successfully!"}
 
 
-def _owner(mem, memory_id: str, events) -> str | None:
-    """The fact's stored user id; for a deleted fact, only if its history events carry it."""
-    try:
-        return mem.get(memory_id).user_id
-    except UnknownFactError:
-        return next((e.user_id for e in events if getattr(e, "user_id", None)), None)
-
-
 @router.get("/v1/memories/{memory_id}/history/")
 async def history(memory_id: str, request: Request, tenant: CurrentTenant) -> list:
     """A list (Mem0's shape), oldest event first."""
     rt, mem = _runtime(request)
     events = await rt.call(mem.history, memory_id)
-    owner = await rt.call(_owner, mem, memory_id, events)
+    owner = await rt.call(views.owner, mem, memory_id, events)
     if owner is None or not tenant.owns(owner):
         raise not_found("memory")
     return [{**views.history_event(e), "user_id": tenant.local(owner)} for e in events]

@@ -14,7 +14,6 @@ from functools import partial
 
 from fastapi import APIRouter, Query, Request
 
-from kvmem.errors import UnknownFactError
 from kvmem.extract.llm import ExtractorUnavailable
 from kvmem.facts.store import MAX_OFFSET
 from kvmem.server import views
@@ -158,15 +157,7 @@ async def delete_memory(memory_id: str, request: Request, tenant: CurrentTenant)
 async def memory_history(memory_id: str, request: Request, tenant: CurrentTenant) -> dict:
     rt, mem = _runtime(request)
     events = await rt.call(mem.history, memory_id)
-    owner = await rt.call(_owner, mem, memory_id, events)
+    owner = await rt.call(views.owner, mem, memory_id, events)
     if owner is None or not tenant.owns(owner):
         raise not_found("memory")
     return {"results": [views.history_event(e) for e in events]}
-
-
-def _owner(mem, fact_id: str, events) -> str | None:
-    """The fact's user id; for a deleted fact, only if its history events carry it."""
-    try:
-        return mem.get(fact_id).user_id
-    except UnknownFactError:
-        return next((e.user_id for e in events if getattr(e, "user_id", None)), None)

@@ -45,3 +45,11 @@ def records(mem, ids) -> list:
         except UnknownFactError:
             pass
     return out
+
+
+def owner(mem, fact_id: str, events) -> str | None:
+    """The fact's stored user id; for a deleted fact, only if its history events carry it."""
+    try:
+        return mem.get(fact_id).user_id
+    except UnknownFactError:
+        return next((e.user_id for e in events if getattr(e, "user_id", None)), None)

@@ -12,7 +12,7 @@ import pytest
 from kvmem.config import default_home
 from kvmem.engine.llm import _children_skip_main_script
 
-# The README's Python example as a user would save it. It imports numba first, as a user's script
+# docs/usage.md's Python example as a user would save it. It imports numba first, as a user's script
 # may: kvmem's index loads it too, but only the script's own imports are run again in a child.
 SCRIPT = """
 import numba  # noqa: F401

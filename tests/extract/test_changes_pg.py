@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from kvmem import writes
 from kvmem.config import Config
 from kvmem.errors import UnknownFactError
+from kvmem.facts import changes as store_changes
 from kvmem.facts.scope import Scope
 from kvmem.service import KVMem
 from kvmem.writes import Change, apply_changes
@@ -63,7 +63,7 @@ def test_a_fault_mid_batch_rolls_the_whole_batch_back(pair, monkeypatch):
     def faulty(*args):
         raise ConnectionError("the database went away mid-batch")
 
-    monkeypatch.setitem(writes.STEPS, "DELETE", faulty)
+    monkeypatch.setitem(store_changes.STEPS, "DELETE", faulty)
     with pytest.raises(ConnectionError):
         apply_changes(a.writes, [Change("ADD", "I have a cat."), Change("UPDATE", "I moved to Lisbon.", porto),
                                  Change("DELETE", fact_id=veg)], Scope("u"), encode="none")

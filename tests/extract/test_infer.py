@@ -11,11 +11,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from kvmem import writes
 from kvmem.errors import UnknownFactError
 from kvmem.extract import prompts
 from kvmem.extract.infer import Inferrer
 from kvmem.extract.llm import EngineLLM, ExtractorUnavailable, OpenAILLM
+from kvmem.facts import changes as store_changes
 from kvmem.facts.scope import Scope
 from kvmem.writes import Change, apply_changes
 from tests.helpers import add_fact
@@ -184,13 +184,13 @@ def test_a_fault_between_decisions_leaves_the_store_as_it_was(mem, monkeypatch, 
     user = _user("infer-fault")
     a, b = add_fact(mem, user, "I live in Porto."), add_fact(mem, user, "I am vegetarian.")
     before = snapshot(mem, user, [a.id, b.id])
-    step = writes.STEPS[fails]
+    step = store_changes.STEPS[fails]
 
     def faulty(*args):
         step(*args)  # its write is made, then the batch fails before the next one
         raise OSError("disk full")
 
-    monkeypatch.setitem(writes.STEPS, fails, faulty)
+    monkeypatch.setitem(store_changes.STEPS, fails, faulty)
     changes = [Change("ADD", "The user has a cat."), Change("UPDATE", "I live in Lisbon.", a.id),
                Change("DELETE", fact_id=b.id), Change("ADD", "The user eats fish.")]
     with pytest.raises(OSError):
