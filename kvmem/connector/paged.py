@@ -56,12 +56,33 @@ class PageLayout:
     def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots [N] (int64, on the cache's device) -> key, value, each [N, H, D], copied out of one layer."""
         block, offset = slots // self.block_size, slots % self.block_size
-        return self._read(cache, self.key_index, block, offset), self._read(cache, self.value_index, block, offset)
+        return (cache[tuple(self._coords(self.key_index, block, offset))],
+                cache[tuple(self._coords(self.value_index, block, offset))])
 
-    def _read(self, cache, index, block, offset) -> torch.Tensor:
+    def coords(self, slots: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots [N] -> where their keys and values lie in a layer's cache of `shape`, as
+        row-major element offsets [N, H, D] (for `read`): the same in every layer, so a reader of
+        many layers computes them once, and one `take` per read replaces a 4-way index."""
+        block, offset = slots // self.block_size, slots % self.block_size
+        return self._flat(self.key_index, block, offset, shape), self._flat(self.value_index, block, offset, shape)
+
+    @staticmethod
+    def read(cache: torch.Tensor, coords) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> key, value [N, H, D] at `coords` (from `coords`), copied out of one layer's cache."""
+        return torch.take(cache, coords[0]), torch.take(cache, coords[1])
+
+    def _coords(self, index, block, offset) -> list[torch.Tensor]:
         coords = [idx[offset] for idx in index]  # each [N, H, D]
         coords[self.block_dim] = block[:, None, None].expand_as(coords[0])
-        return cache[tuple(coords)]
+        return coords
+
+    def _flat(self, index, block, offset, shape) -> torch.Tensor:
+        coords = self._coords(index, block, offset)
+        flat, step = torch.zeros_like(coords[0]), 1
+        for dim in reversed(range(len(shape))):
+            flat += coords[dim] * step
+            step *= shape[dim]
+        return flat
 
 
 def slot_mapping(block_ids: Sequence[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:

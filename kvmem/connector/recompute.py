@@ -104,7 +104,7 @@ class Recomputer:
         h, residual = self.embed(rows.ids), None  # [N, hidden]
         start = 0
         if rule == "deviation":  # layer 0 for every candidate, then keep the keys that moved most
-            h, residual = self._layer(0, rows, every, h, residual, caches, layout)
+            h, residual = self._layer(0, rows, _Attend(rows, every, layout, caches[0].shape), h, residual, caches, layout)
             fresh = self._probe(1, rows, h, residual, caches[1], layout)  # [N, H, D]
             injected, _ = layout.gather(caches[1], rows.slots)
             keep = top_per_fact(key_deviation(fresh, injected).cpu(), rows.lengths, rows.rec).to(h.device)
@@ -116,15 +116,15 @@ class Recomputer:
                 at += n
             keep = positional(spans, Recompute(rows.rec.fraction, rule)).to(h.device)
             every, h = keep, h[keep]
+        attend = _Attend(rows, every, layout, caches[0].shape)
         for i in range(start, len(self.layers)):
-            h, residual = self._layer(i, rows, every, h, residual, caches, layout)
+            h, residual = self._layer(i, rows, attend, h, residual, caches, layout)
         return len(every)
 
-    def _layer(self, i: int, rows: Rows, chosen: torch.Tensor, h, residual, caches, layout):
+    def _layer(self, i: int, rows: Rows, attend: _Attend, h, residual, caches, layout):
         """Layer i over the chosen rows: writes their K/V, returns (hidden, residual) [M, hidden]."""
-        attend = _GatheredAttention(self.attention[i], caches[i], layout, rows, chosen)
-        with _swapped(self.attention[i], attend):
-            return self.layers[i](rows.positions[chosen], h, residual)
+        with _swapped(self.attention[i], _GatheredAttention(self.attention[i], caches[i], layout, attend)):
+            return self.layers[i](attend.positions, h, residual)
 
     def _probe(self, i: int, rows: Rows, h, residual, cache, layout) -> torch.Tensor:
         """The keys [N, H, D] layer i computes for every row, as it would cache them; nothing written."""
@@ -140,46 +140,62 @@ class Recomputer:
         return seen[0].view(len(rows.ids), self.attention[i].num_kv_heads, -1)
 
 
+class _Attend:
+    """Who attends to what, for one set of chosen rows: per request, its chosen rows, their
+    positions and its context's cache coordinates (the same in every layer: computed once)."""
+
+    def __init__(self, rows: Rows, chosen: torch.Tensor, layout: PageLayout, shape: torch.Size) -> None:
+        self.slots = rows.slots[chosen]  # [M]
+        self.positions = rows.positions[chosen]  # [M]
+        self.parts = []  # per request: (its rows [m] among the chosen, their positions [m], 0..E-1 [E], coords of E)
+        positions = self.positions
+        starts = torch.tensor([s for s, _ in rows.request[1:]], dtype=torch.long, device=chosen.device)
+        owner = torch.bucketize(chosen, starts, right=True)  # [M] request of each chosen row
+        for r, context in enumerate(rows.context):
+            mine = (owner == r).nonzero().squeeze(1)
+            if len(mine):
+                keys = torch.arange(len(context), device=chosen.device)
+                self.parts.append((mine, positions[mine], keys, layout.coords(context, shape)))
+
+
 class _GatheredAttention:
     """An attention layer's forward for recomputed rows: write their K/V into their slots, then
     attend each request's rows to its slots 0..E-1, causally (and within a sliding window)."""
 
-    def __init__(self, attn, cache: torch.Tensor, layout: PageLayout, rows: Rows, chosen: torch.Tensor) -> None:
-        self.attn, self.cache, self.layout, self.rows, self.chosen = attn, cache, layout, rows, chosen
+    def __init__(self, attn, cache: torch.Tensor, layout: PageLayout, attend: _Attend) -> None:
+        self.attn, self.cache, self.layout, self.attend = attn, cache, layout, attend
+        w = attn.sliding_window
+        self.window = w if isinstance(w, int) and w > 0 else None
+        self.cap = getattr(attn.impl, "logits_soft_cap", None) or None
 
     def __call__(self, query, key, value, *args, **kwargs) -> torch.Tensor:
-        a, rows, chosen = self.attn, self.rows, self.chosen
-        m = len(chosen)
+        a = self.attn
+        m = query.shape[0]
         q = query.view(m, a.num_heads, a.head_size)  # [M, Hq, D]
         k, v = key.view(m, a.num_kv_heads, a.head_size), value.view(m, a.num_kv_heads, a.head_size_v)
-        a.impl.do_kv_cache_update(a, k, v, self.cache, rows.slots[chosen])
+        a.impl.do_kv_cache_update(a, k, v, self.cache, self.attend.slots)
         out = query.new_empty(m, a.num_heads, a.head_size_v)
-        owner = torch.bucketize(chosen, torch.tensor([s for s, _ in rows.request[1:]], device=chosen.device),
-                                right=True)  # [M] request index of each chosen row
-        for r, context in enumerate(rows.context):
-            mine = (owner == r).nonzero().squeeze(1)
-            if len(mine):
-                out[mine] = self._attend(q[mine], rows.positions[chosen[mine]], context)
+        for mine, positions, keys, coords in self.attend.parts:
+            seen = keys[None] <= positions[:, None]  # [m, E]
+            if self.window is not None:
+                seen &= positions[:, None] - keys[None] < self.window
+            out[mine] = self._attend(q[mine], seen, *self.layout.read(self.cache, coords)).to(out.dtype)
         return out.view(m, -1)
 
-    def _attend(self, q: torch.Tensor, positions: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """q [m, Hq, D] at positions [m] over slots [E] -> [m, Hq, Dv], float32 math."""
+    def _attend(self, q: torch.Tensor, seen: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [m, Hq, D] over k, v [E, Hkv, D] where seen [m, E] -> [m, Hq, Dv], float32 math."""
         a = self.attn
-        k, v = self.layout.gather(self.cache, context)  # [E, Hkv, D] each
-        group = a.num_heads // a.num_kv_heads
-        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, E, D]
-        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.einsum("mhd,hed->hme", q.float(), k) * a.impl.scale  # [Hq, m, E]
-        cap = getattr(a.impl, "logits_soft_cap", None)
-        if cap:
-            scores = cap * torch.tanh(scores / cap)
-        keys = torch.arange(len(context), device=q.device)
-        seen = keys[None] <= positions[:, None]  # [m, E]
-        window = a.sliding_window if isinstance(a.sliding_window, int) and a.sliding_window > 0 else None
-        if window is not None:
-            seen &= positions[:, None] - keys[None] < window
-        scores = scores.masked_fill(~seen[None], float("-inf"))
-        return torch.einsum("hme,hed->mhd", scores.softmax(-1), v).to(q.dtype)
+        q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))  # [H, m|E, D]
+        if self.cap is None:  # one fused kernel; grouped-query heads shared without copies
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=seen[None, None], scale=a.impl.scale,
+                enable_gqa=a.num_heads != a.num_kv_heads)[0]
+        else:  # Gemma 2's soft cap on the scores: no fused kernel has it
+            group = a.num_heads // a.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+            scores = self.cap * torch.tanh(torch.einsum("hmd,hed->hme", q, k) * a.impl.scale / self.cap)
+            out = torch.einsum("hme,hed->hmd", scores.masked_fill(~seen[None], float("-inf")).softmax(-1), v)
+        return out.transpose(0, 1)
 
 
 @contextlib.contextmanager

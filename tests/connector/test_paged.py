@@ -26,6 +26,9 @@ def _assert_round_trip(cache, write, blocks, block_size, heads, dim, tokens, see
     write(key, value, cache, slots)
     got_k, got_v = layout.gather(cache, slots)
     assert torch.equal(got_k, key) and torch.equal(got_v, value)
+    # The flat offsets selective recompute reads through (computed once, then one take per layer).
+    flat_k, flat_v = layout.read(cache, layout.coords(slots, cache.shape))
+    assert torch.equal(flat_k, key) and torch.equal(flat_v, value)
 
 
 @pytest.mark.cpu_backend

@@ -46,9 +46,12 @@ def test_recomputing_every_fact_token_matches_text_prefill(mem, facts):
 @pytest.mark.parametrize("rule", ["deviation", "first", "last"])
 def test_a_partial_recompute_counts_per_fact(mem, facts, rule):
     rec = Recompute(0.15, rule)
+    text = mem.chat(Q, user_id="recompute", fact_ids=facts, mode="text", max_tokens=4)
     out = mem.chat(Q, user_id="recompute", fact_ids=facts, mode="kv", max_tokens=4, recompute=rec)
     assert out.recomputed_tokens == sum(rec.count(len(tokens(mem, mem.get(i)))) for i in facts)
     assert out.fallbacks == 0 and out.answer
+    # A recompute that failed would leave vLLM to prefill the blocks as text: it must not read as text.
+    assert logprob_gap(text.first_logprobs, out.first_logprobs) > 0.25
 
 
 def test_recompute_off_is_plain_injection_bit_for_bit(mem, facts):
