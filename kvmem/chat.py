@@ -30,12 +30,14 @@ from kvmem.facts.store import FactRecord
 from kvmem.facts.text import check_fact_text, check_unicode
 from kvmem.keeper import BlobKeeper
 from kvmem.kv.recompute import ENGINE_RULES, Recompute
+from kvmem.model import verdict
 from kvmem.results import ChatResult, Choice, ToolCallDelta
 from kvmem.retrieval import Retrieval
 from kvmem.trace import ChatTrace, FactTrace, TraceRing, clip, served
 from kvmem.writes import Writes
 
-MODES = ("kv", "text", "off")
+# "auto": KV mode where `kvmem verify` passed for the served model, else text (Chats.resolved).
+MODES = ("kv", "text", "off", "auto")
 STORE = ("none", "user", "both")
 TOO_LONG = InvalidInputError.CONTEXT_LENGTH_EXCEEDED
 
@@ -131,6 +133,7 @@ class Chats:
 
     def chat(self, messages, args: ChatArgs, *, cancel: threading.Event | None = None,
              reader: bool = True) -> ChatResult:
+        args = self.resolved(args)
         p = self.prepare(messages, args)
         request = replace(p.request, reader=p.request.reader and reader)
         (result,) = self.need_engine().run([request], cancel=cancel)
@@ -138,6 +141,7 @@ class Chats:
 
     def stream(self, messages, args: ChatArgs, *,
                cancel: threading.Event | None = None) -> Iterator[str | ChoiceDelta | ToolCallDelta | ChatResult]:
+        args = self.resolved(args)
         p = self.prepare(messages, args)
         items = self.need_engine().stream(p.request, cancel=cancel)
         if args.tools is None:
@@ -181,6 +185,7 @@ class Chats:
         if not isinstance(answer, str) or not answer.strip():
             raise InvalidInputError("answer must be a non-empty string", param="answer")
         check_unicode("answer", answer)
+        args = self.resolved(args)
         p = self.prepare(messages, args)
         answer_ids = tuple(self.prompts.context_tokens(answer.strip()))
         # A salt of its own: a cached block must never cover the answer, whose positions would then
@@ -190,6 +195,14 @@ class Chats:
         (result,) = self.need_engine().run([scored])
         self.finish(result, replace(p, retrieval_s=0.0, traced=False), args)
         return list(result.scored)
+
+    def resolved(self, args: ChatArgs) -> ChatArgs:
+        """Mode "auto" as the mode it serves, so the result, trace and stats name that one: KV
+        where the served model's cached `kvmem verify` verdict passed; text where it failed or
+        there is none, since unchecked injection may be wrong and text prefill never is."""
+        if args.mode != "auto":
+            return args
+        return replace(args, mode="kv" if verdict.passed(self.config.home, self.keeper.kv.fingerprint) else "text")
 
     def prepare(self, messages, args: ChatArgs) -> Prepared:
         args.check()

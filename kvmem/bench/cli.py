@@ -1,4 +1,5 @@
-"""`kvmem bench ttft|load|cache|oracle|codecs|ann` and `kvmem eval locomo`: argument parsing and report writing.
+"""`kvmem bench ttft|load|cache|oracle|codecs|ann`, `kvmem verify` and `kvmem eval locomo`: argument parsing and
+report writing.
 (`kvmem bench reader` is kvmem.tune's: it measures with the tuning lab.)"""
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     o = bench.add_parser("oracle", help="injected KV vs text prefill of the same prompt (k=1 exact, k=10 approx.)")
     o.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     o.set_defaults(func=cmd_oracle)
+    v = sub.add_parser("verify", help="correctness gate for the model on this machine: injection oracles and "
+                                      "fidelity vs text prefill; exit 1 on failure (chat mode auto reads it)")
+    v.add_argument("--out", type=Path, default=None, help="also write the verdict to DIR/verify.json (it is "
+                                                          "always cached under the home, per model fingerprint)")
+    v.set_defaults(func=cmd_verify)
     cd = bench.add_parser("codecs", help="KV codecs side by side: bytes/token, k=1 gap, k=10 agreement and KL")
     cd.add_argument("--prompts", type=int, default=60, help="k=10 prompts per codec (default: 60)")
     cd.add_argument("--codecs", type=_codec_list, default=None,
@@ -207,6 +213,14 @@ def cmd_oracle(args, config) -> int:
         result = oracle.run(mem)
     print(oracle.report(result, (args.out or RESULTS) / "oracle"))
     return 0
+
+
+def cmd_verify(args, config) -> int:
+    from kvmem.bench import verify
+
+    result = verify.check(config)
+    print(verify.report(result, config.home, args.out))
+    return 0 if result["passed"] else 1
 
 
 def cmd_codecs(args, config) -> int:

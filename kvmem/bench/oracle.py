@@ -46,14 +46,7 @@ def _top1(logprobs: dict[int, float]) -> int:
 
 def run(mem, user: str = "oracle-bench") -> dict:
     ids = list(mem.add(facts=FACTS, user_id=user).ids)
-    k1 = []
-    for fact_id, q in zip(ids, QUESTIONS):
-        text, cached, kv = (mem.chat(q, user_id=user, fact_ids=[fact_id], mode=m, max_tokens=1)
-                            for m in ("text", "text", "kv"))
-        k1.append({"noise": logprob_gap(text.first_logprobs, cached.first_logprobs),
-                   "gap": logprob_gap(text.first_logprobs, kv.first_logprobs),
-                   "top1_agree": _top1(text.first_logprobs) == _top1(kv.first_logprobs),
-                   "injected_tokens": kv.injected_tokens, "fallbacks": kv.fallbacks})
+    k1 = k1_rows(mem, user, ids, QUESTIONS)
     k10 = []
     for q in QUESTIONS:
         text, kv = (mem.chat(q, user_id=user, fact_ids=ids, mode=m, max_tokens=1) for m in ("text", "kv"))
@@ -63,6 +56,34 @@ def run(mem, user: str = "oracle-bench") -> dict:
                     "fallbacks": kv.fallbacks})
     mem.delete_all(user_id=user)
     return {"model": mem.model.path.name, "k1": k1, "k10": k10, "summary": _summary(k1, k10)}
+
+
+def k1_rows(mem, user: str, fact_ids: list[str], questions: list[str]) -> list[dict]:
+    """Each fact alone, as encoded (after the system prefix): text prefill, the same again (the
+    engine's prefix-cache hit: its noise), and KV mode without the reader adapter, whose KV map
+    would move injection off text prefill on purpose."""
+    rows = []
+    for fact_id, q in zip(fact_ids, questions):
+        text, cached, kv = (mem.chat(q, user_id=user, fact_ids=[fact_id], mode=m, max_tokens=1, reader=False)
+                            for m in ("text", "text", "kv"))
+        rows.append({"noise": logprob_gap(text.first_logprobs, cached.first_logprobs),
+                     "gap": logprob_gap(text.first_logprobs, kv.first_logprobs),
+                     "top1_agree": _top1(text.first_logprobs) == _top1(kv.first_logprobs),
+                     "injected_tokens": kv.injected_tokens, "fallbacks": kv.fallbacks})
+    return rows
+
+
+def encode_after_true_prefix(mem, user: str, fact_ids: list[str], messages: list[dict]) -> int:
+    """Encode each fact after exactly the tokens that precede it in this chat's prompt, so that
+    injecting them all must equal text prefill; -> the prompt's memory tokens (head and facts)."""
+    from kvmem.connector.plan import ENCODE, Plan
+    from kvmem.encoding import salt
+    from kvmem.engine.protocol import EngineRequest
+
+    prompt = mem.prompts.chat([(i, mem.prompts.fact_tokens(mem.get(i).text)) for i in fact_ids], messages)
+    mem.engine.run([EngineRequest(prompt.token_ids[: seg.end], salt("encode", user), max_tokens=1,
+                                  plan=Plan(ENCODE, (seg,))) for seg in prompt.segments[1:]])
+    return prompt.memory_tokens
 
 
 def _summary(k1: list[dict], k10: list[dict]) -> dict:

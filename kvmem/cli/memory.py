@@ -180,7 +180,7 @@ def cmd_chat(args: argparse.Namespace, config: Config) -> int:
     scope = {"user_id": args.user, "agent_id": args.agent, "run_id": args.run}
     with KVMem(config, background=True) as mem:
         waiting = [f for f in mem.get_all(**scope, limit=MAX_LIMIT) if f.kv_status != "encoded"]
-        if waiting and args.mode == "kv":
+        if waiting and args.mode in ("kv", "auto"):
             print(f"encoding {len(waiting)} facts left pending...", file=sys.stderr, flush=True)
             mem.encode_pending()
         if interactive:
@@ -324,8 +324,9 @@ def add_parsers(sub) -> None:
                                    "mode). The conversation so far is kept. An empty line is ignored; /quit or "
                                    "end of input ends the chat.")
     _scope_options(p)
-    p.add_argument("--mode", choices=("kv", "text", "off"), default="kv",
-                   help="how facts reach the model: KV injection, text prefill, or none (default: kv)")
+    p.add_argument("--mode", choices=("kv", "text", "off", "auto"), default="kv",
+                   help="how facts reach the model: KV injection, text prefill, none, or auto: kv where "
+                        "`kvmem verify` passed for this model, else text (default: kv)")
     p.add_argument("-k", type=positive_int, default=5, help="facts retrieved per question (default: 5)")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="answer length limit (default: 128)")
     p.set_defaults(func=cmd_chat)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-Mode = Literal["kv", "text", "off"]
+Mode = Literal["kv", "text", "off", "auto"]  # auto: kv where `kvmem verify` passed, else text
 
 
 class _Open(BaseModel):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmem.bench import oracle
-from kvmem.bench.oracle import FACTS
+from kvmem.bench.oracle import FACTS, encode_after_true_prefix
 from kvmem.errors import InvalidInputError
 from tests.helpers import add_fact, tokens
 
@@ -153,17 +153,6 @@ def test_injection_after_a_partial_prefix_cache_hit_stays_exact(mem):
     print(f"\nafter a partial prefix hit ({second.cached_tokens} cached + {second.injected_tokens} injected): gap {gap:.4f}")
     assert gap <= 0.3
     assert_same_greedy(text, second, 0.3)
-
-
-def encode_after_true_prefix(mem, user, fact_ids, messages):
-    """Encode each fact after exactly the tokens that precede it in this prompt."""
-    from kvmem.encoding import salt
-    from kvmem.engine.protocol import EngineRequest
-    from kvmem.connector.plan import ENCODE, Plan
-
-    prompt = mem.prompts.chat([(i, tokens(mem, mem.get(i))) for i in fact_ids], messages)
-    mem.engine.run([EngineRequest(prompt.token_ids[: seg.end], salt("encode", user), max_tokens=1,
-                                  plan=Plan(ENCODE, (seg,))) for seg in prompt.segments[1:]])
 
 
 def test_kv_mode_prefills_its_last_facts_as_text_when_configured(mem, monkeypatch):
