@@ -29,19 +29,25 @@ class Decision:
 
 def parse_facts(reply: str) -> list[str]:
     """The extraction reply's facts, stripped, de-duplicated, bounded; [] (logged) if it does not parse."""
-    try:
-        facts = json.loads(reply)["facts"]
-        if not isinstance(facts, list):
-            raise TypeError("facts is not a list")
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("extraction reply dropped (%s): %.200r", e, reply)
-        return []
+    facts = _json_list(reply, "facts", "extraction")
     out: list[str] = []
     for fact in facts:
         text = fact.strip()[:MAX_FACT_CHARS] if isinstance(fact, str) else ""
         if text and text not in out:
             out.append(text)
     return out[:MAX_FACTS]
+
+
+def _json_list(reply: str, key: str, what: str) -> list:
+    """reply's JSON object's list under `key`; [] (logged) when the reply is not that."""
+    try:
+        items = json.loads(reply)[key]
+        if not isinstance(items, list):
+            raise TypeError(f"{key} is not a list")
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("%s reply dropped (%s): %.200r", what, e, reply)
+        return []
+    return items
 
 
 def aliases(candidates: list[str]) -> dict[str, str]:
@@ -51,13 +57,7 @@ def aliases(candidates: list[str]) -> dict[str, str]:
 
 def parse_decisions(reply: str, n_facts: int, shown: dict[str, str]) -> list[Decision]:
     """The reconciliation reply as Decisions; each bad entry dropped and logged, the rest kept."""
-    try:
-        entries = json.loads(reply)["decisions"]
-        if not isinstance(entries, list):
-            raise TypeError("decisions is not a list")
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("reconciliation reply dropped (%s): %.200r", e, reply)
-        return []
+    entries = _json_list(reply, "decisions", "reconciliation")
     out: list[Decision] = []
     for entry in entries:
         decision = _decision(entry, n_facts, shown)

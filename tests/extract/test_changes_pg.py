@@ -13,28 +13,18 @@ from kvmem.facts import changes as store_changes
 from kvmem.facts.scope import Scope
 from kvmem.service import KVMem
 from kvmem.writes import Change, apply_changes
+from tests.test_service_shared import pair  # noqa: F401 - two stores over one PostgreSQL
 
 FACTS = ["I live in Porto.", "I am vegetarian.", "I ride a blue bicycle to the office."]
 
 
-@pytest.fixture
-def pair(tmp_path, model_dir, pg_url):
-    def open_one(name, embedder=None):
-        config = Config(home=tmp_path / name, models_home=model_dir.parent, database_url=pg_url)
-        return KVMem(config, start_engine=False, embedder=embedder)
-
-    a = open_one("a")
-    b = open_one("b", a.embedder)
-    yield a, b
-    b.close()
-    a.close()
 
 
 def _top(mem, query: str) -> list[str]:
     return [h.id for h in mem.search(query, user_id="u", k=3)]
 
 
-def _until(check, timeout: float = 10.0) -> None:
+def _until(check, timeout: float = 30.0) -> None:  # the change feed, on a loaded 2-core CI host
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline
