@@ -130,8 +130,9 @@ class KVConfig:
       for a fixed cost of N facts' tokens whatever k is; measured in docs/benchmarks.md).
     recompute: the fraction of each injected fact's tokens the connector computes again, layer by
       layer, over the whole injected cache, so facts attend to the facts before them as in text
-      prefill (kv/recompute.py; 0: plain injection, 1: text prefill's KV). Costs that share of a
-      prefill of the facts.
+      prefill (kv/recompute.py; 0: plain injection, 1: text prefill's KV). Off by default: on the
+      bundled model 15% adds no measurable fidelity to the reader map, and on a CPU it costs more
+      than prefilling the prompt as text (docs/benchmarks.md, "Selective recompute").
     recompute_rule: which tokens: "deviation" (CacheBlend: those whose layer-1 keys differ most
       from fresh ones), "first" or "last" (of each fact).
     """
