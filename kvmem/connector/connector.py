@@ -15,9 +15,7 @@ inject request carries a plan.InjectionReport back in its kv_transfer_params.
 
 from __future__ import annotations
 
-import gc
 import logging
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -33,10 +31,11 @@ from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from kvmem.connector.plan import ConnectorMeta, ConnectorSettings
+from kvmem.connector.recompute import Recomputer, live_modules
 from kvmem.connector.rope import KeyRotator, is_rotary
 from kvmem.connector.scheduler_side import SchedulerSide
 from kvmem.connector.support import leave_map_refusal, map_refused, refuse_unsupported
-from kvmem.connector.worker_side import WorkerSide
+from kvmem.connector.worker_side import WorkerSide, layer_index
 from kvmem.kv.store import KVStore
 from kvmem.reader import kvmap
 
@@ -197,40 +196,39 @@ def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,
                   settings: ConnectorSettings) -> WorkerSide:
     model_config = vllm_config.model_config
     head_size = model_config.get_head_size()
+    layers = vllm_config.compilation_config.static_forward_context
+    attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
+    modules = live_modules()
     return WorkerSide(
         store=store,
-        rotator=_layer_rotators(vllm_config, head_size, settings.is_neox_style),
+        rotator=_layer_rotators(vllm_config, attention, modules, head_size, settings.is_neox_style),
         block_size=block_size,
         num_blocks=kv_cache_config.num_blocks,
         num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
         head_size=head_size,
         codec=settings.codec,
-        layers=vllm_config.compilation_config.static_forward_context,
+        layers=layers,
         kv_map=kvmap.load(settings.reader_adapter),
+        recompute=Recomputer.find(attention, sorted(attention, key=layer_index), modules),
     )
 
 
-def _layer_rotators(vllm_config, head_size: int, is_neox_style: bool) -> KeyRotator | dict[str, KeyRotator]:
+def _layer_rotators(vllm_config, attention: dict, modules: list, head_size: int,
+                    is_neox_style: bool) -> KeyRotator | dict[str, KeyRotator]:
     """Each attention layer's own rotary embedding (Gemma 3's local and global layers differ in
     base), taken from the loaded model; else the model's single one for every layer."""
-    layers = vllm_config.compilation_config.static_forward_context
-    attention = {name: layer for name, layer in layers.items() if hasattr(layer, "impl")}
-    ropes = _sibling_ropes(attention)
+    ropes = _sibling_ropes(attention, modules)
     if attention and ropes.keys() == attention.keys():
         shared: dict[int, KeyRotator] = {}
         return {name: shared.setdefault(id(rope), KeyRotator(rope)) for name, rope in ropes.items()}
     return KeyRotator(_model_rope(vllm_config, head_size, is_neox_style))
 
 
-def _sibling_ropes(layers: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
+def _sibling_ropes(layers: dict[str, torch.nn.Module], modules: list[torch.nn.Module]) -> dict[str, torch.nn.Module]:
     """layer name -> the rotary embedding held beside it by its parent module (vLLM's attention
-    modules keep `rotary_emb` next to `attn`). The static forward context has the layers but
-    not their parents, so the parents are found among the live modules, once at start-up."""
+    modules keep `rotary_emb` next to `attn`), the parents found among the live `modules`."""
     wanted = {id(layer): name for name, layer in layers.items()}
     found = {}
-    with warnings.catch_warnings():  # isinstance() on some live objects warns (torch's deprecated reduce_op)
-        warnings.simplefilter("ignore")
-        modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
     for obj in modules:
         if not obj._modules:
             continue

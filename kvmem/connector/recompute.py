@@ -11,7 +11,7 @@ their share of a prefill; tokens the engine then computes read the corrected cac
 The layers run unchanged: for the duration, each attention layer's `forward` is swapped for one
 that does the write and the gathered attention itself (eager torch; the backend's kernels only
 know vLLM's own batch metadata). Model structures this cannot drive are refused once, at
-registration, with the reason (`Recomputer.find`); the connector then injects without recompute.
+start-up, with the reason (`Recomputer.find`); the connector then injects without recompute.
 """
 
 from __future__ import annotations
@@ -73,17 +73,20 @@ class Rows:
 class Recomputer:
     """The model's embedding and decoder layers, as the recompute drives them."""
 
-    def __init__(self, embed, layers: list[torch.nn.Module], attention: list[torch.nn.Module]) -> None:
+    def __init__(self, embed, layers: list[torch.nn.Module], attention: list[torch.nn.Module],
+                 names: list[str]) -> None:
         self.embed = embed  # token ids [N] -> hidden [N, hidden]
         self.layers = layers  # decoder layers in cache order: (positions, hidden, residual) -> (hidden, residual)
         self.attention = attention  # each layer's attention module (static forward context)
+        self.names = names  # their names, in that order
 
     @classmethod
-    def find(cls, attention_by_name: dict[str, torch.nn.Module], names: list[str]) -> "Recomputer | str":
-        """The live model whose decoder layers hold these attention layers (names in cache
-        order), or why recompute cannot drive it."""
+    def find(cls, attention_by_name: dict[str, torch.nn.Module], names: list[str],
+             modules: list[torch.nn.Module]) -> "Recomputer | str":
+        """The model among the live `modules` (live_modules()) whose decoder layers hold these
+        attention layers (names in cache order), or why recompute cannot drive it."""
         wanted = [attention_by_name[n] for n in names]
-        inner = _inner_model({id(a) for a in wanted})
+        inner = _inner_model({id(a) for a in wanted}, modules)
         if inner is None:
             return "no decoder stack holding the attention layers was found among the live modules"
         layers = [layer for layer in inner.layers if _attention_of(layer) is not None]
@@ -93,12 +96,11 @@ class Recomputer:
             reason = _unsupported(layer, _attention_of(layer))
             if reason:
                 return reason
-        return cls(inner.embed_input_ids, layers, wanted)
+        return cls(inner.embed_input_ids, layers, wanted, list(names))
 
     @torch.no_grad()
-    def run(self, rows: Rows, caches: list[torch.Tensor], layout: PageLayout) -> int:
-        """Recompute this step's chosen tokens into `caches` (one per layer); -> tokens carried
-        through every layer."""
+    def run(self, rows: Rows, caches: list[torch.Tensor], layout: PageLayout) -> None:
+        """Recompute this step's chosen tokens into `caches` (one per layer)."""
         rule = rows.rec.rule if len(self.layers) > 1 else "first"  # deviation reads layer 1's keys
         every = torch.arange(len(rows.ids), device=rows.ids.device)
         h, residual = self.embed(rows.ids), None  # [N, hidden]
@@ -119,7 +121,6 @@ class Recomputer:
         attend = _Attend(rows, every, layout, caches[0].shape)
         for i in range(start, len(self.layers)):
             h, residual = self._layer(i, rows, attend, h, residual, caches, layout)
-        return len(every)
 
     def _layer(self, i: int, rows: Rows, attend: _Attend, h, residual, caches, layout):
         """Layer i over the chosen rows: writes their K/V, returns (hidden, residual) [M, hidden]."""
@@ -212,12 +213,18 @@ def _attention_of(layer: torch.nn.Module):
     return getattr(getattr(layer, "self_attn", None), "attn", None)
 
 
-def _inner_model(attention_ids: set[int]):
-    """Among the live modules: the one with `embed_input_ids` and a `layers` list whose layers'
-    `self_attn.attn` are the given attention layers (vLLM's Llama, Qwen, Gemma, Mistral, Phi-3...)."""
-    with warnings.catch_warnings():  # isinstance() on some live objects warns
+def live_modules() -> list[torch.nn.Module]:
+    """Every live torch module. The static forward context has the attention layers but not the
+    modules around them (their decoder layers, rotary embeddings, the model), so the connector
+    finds those here, once at start-up, in one walk for all its uses."""
+    with warnings.catch_warnings():  # isinstance() on some live objects warns (torch's deprecated reduce_op)
         warnings.simplefilter("ignore")
-        modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+
+
+def _inner_model(attention_ids: set[int], modules: list[torch.nn.Module]):
+    """Among `modules`: the one with `embed_input_ids` and a `layers` list whose layers'
+    `self_attn.attn` are the given attention layers (vLLM's Llama, Qwen, Gemma, Mistral, Phi-3...)."""
     for obj in modules:
         layers = getattr(obj, "layers", None)
         if isinstance(layers, torch.nn.ModuleList) and hasattr(obj, "embed_input_ids") \

@@ -45,7 +45,7 @@ log = logging.getLogger("kvmem.connector")
 class WorkerSide:
     def __init__(self, store: KVStore, rotator: KeyRotator | Mapping[str, KeyRotator], block_size: int, num_blocks: int,
                  num_kv_heads: int, head_size: int, layers: dict, codec: str = "none",
-                 kv_map: KVMap | None = None) -> None:
+                 kv_map: KVMap | None = None, recompute: Recomputer | str = "no model layers were given") -> None:
         self.store = store
         self._rotator_of = rotator  # one for every layer, or per layer name
         self.rotator: LayerRotators | None = None  # per layer in cache order, once caches are registered
@@ -67,12 +67,12 @@ class WorkerSide:
         self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py); on the device once registered
         self._key_factors: tuple[torch.Tensor, torch.Tensor] | None = None  # its key a, b per dim [L, H, D]
         self.map_refusal: str | None = None  # why the KV map was dropped at registration, if it was
-        self._recomputer: Recomputer | None = None  # the model's layers, for selective recompute
-        self.recompute_refusal: str | None = None  # why recompute cannot drive this model, if it cannot
-        self.recomputed = 0  # tokens recomputed through every layer since the engine started
+        # The model's layers, for selective recompute; else why recompute cannot drive this model.
+        self._recomputer = recompute if isinstance(recompute, Recomputer) else None
+        self.recompute_refusal: str | None = None if self._recomputer else recompute
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._caches = sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
+        self._caches = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
         shapes = {(tuple(c.shape), c.stride(), c.dtype, c.device) for _, c in self._caches}
         if len(shapes) != 1:
             # One calibrated layout serves every layer; hybrid/cross-layer layouts are not supported.
@@ -81,12 +81,10 @@ class WorkerSide:
         self._stream = SideStream(self._caches[0][1].device)
         self._staging = HostStaging(pin=self._stream.is_async)
         self._heads_from_layers(kv_caches)
-        found = Recomputer.find(self._layers, [name for name, _ in self._caches])
-        if isinstance(found, str):
-            self.recompute_refusal = found
-            log.info("selective recompute unavailable for this model (plain injection): %s", found)
-        else:
-            self._recomputer = found
+        if self._recomputer is not None and self._recomputer.names != [name for name, _ in self._caches]:
+            self._recomputer, self.recompute_refusal = None, "the KV caches are not the attention layers' own"
+        if self.recompute_refusal:
+            log.info("selective recompute unavailable for this model (plain injection): %s", self.recompute_refusal)
         if self._kv_map is not None and self._map_fits():
             self._kv_map = self._kv_map.to(self.device, torch.float32)
             # One factor per rotary pair, spread to both of its dims once: [L, H, D] each.
@@ -166,7 +164,7 @@ class WorkerSide:
         for rec, members in groups.items():
             rows = Rows.of_jobs(members, rec, staged.token_ids, staged.dst, staged.slots, self.block_size, self.device)
             if rows is not None:
-                self.recomputed += self._recomputer.run(rows, caches, self._page_layout())
+                self._recomputer.run(rows, caches, self._page_layout())
 
     def _layer_keys(self, i: int, staged: "_Staged", moves, dtype: torch.dtype) -> torch.Tensor:
         """Layer i's keys [N, H, D] on the device, decoded and moved to their serving positions."""
@@ -424,6 +422,6 @@ def _expected(e: Exception) -> bool:
     return isinstance(e, (BlobError, ValueError))
 
 
-def _layer_index(name: str) -> int:
+def layer_index(name: str) -> int:
     found = re.findall(r"\.(\d+)\.", name)
     return int(found[0]) if found else 0

@@ -83,6 +83,6 @@ def test_recompute_refusal_reason_is_recorded_for_unknown_structures():
     import torch
 
     attn = torch.nn.Linear(2, 2)
-    found = Recomputer.find({"model.layers.0.attn": attn}, ["model.layers.0.attn"])
+    found = Recomputer.find({"model.layers.0.attn": attn}, ["model.layers.0.attn"], [attn])
     assert isinstance(found, str) and "no decoder stack" in found
 
