@@ -226,7 +226,7 @@ class Chats:
                                     f"exceeds the model's {self.config.engine.max_model_len}", param="messages",
                                     code=TOO_LONG)
         text_facts = self.config.kv.text_facts if args.text_facts is None else args.text_facts
-        rec = args.recompute or Recompute(self.config.kv.recompute, self.config.kv.recompute_rule)
+        rec = args.recompute or self.config.kv.recompute_setting
         # The facts start after the head: where the reader's KV map begins (sent only when reading with it).
         plan = Plan(INJECT, injected(prompt.segments, text_facts), map_from=len(self.prompts.head_ids),
                     recompute=rec if rec.on else None) if args.mode == "kv" else None

@@ -163,6 +163,13 @@ class KVConfig:
             if value is not None and not value >= 0:
                 raise ValueError(f"kv.{name} must be >= 0 or None (unlimited), got {value!r}")
 
+    @property
+    def recompute_setting(self):
+        """recompute and recompute_rule as the one value chats and plans carry (kv/recompute.py)."""
+        from kvmem.kv.recompute import Recompute
+
+        return Recompute(self.recompute, self.recompute_rule)
+
     @staticmethod
     def mib_to_bytes(mib: float | None) -> int | None:
         return None if mib is None else int(mib * (1 << 20))

@@ -287,12 +287,6 @@ def recompute_options(p) -> None:
                    help="which tokens are recomputed (default: the configured kv.recompute_rule, deviation)")
 
 
-def _recompute_tag(config) -> str:
-    from kvmem.kv.recompute import Recompute
-
-    return Recompute(config.kv.recompute, config.kv.recompute_rule).tag
-
-
 def cmd_locomo(args, config) -> int:
     from kvmem.bench import eval_locomo, eval_report
 
@@ -301,7 +295,7 @@ def cmd_locomo(args, config) -> int:
                                  seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs,
                                  text_facts=config.kv.text_facts, observation_window=args.observation_window,
                                  observation_origin=args.observation_origin,
-                                 recompute=_recompute_tag(config))
+                                 recompute=config.kv.recompute_setting.tag)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")

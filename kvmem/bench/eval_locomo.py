@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvmem.bench import locomo
+from kvmem.bench.eval_report import VARIANTS
 from kvmem.bench.metrics import locomo_f1, top20_kl
 from kvmem.errors import InvalidInputError
 
@@ -183,8 +184,8 @@ def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | Non
                               "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s,
                               "first": {str(t): v for t, v in r.first_logprobs.items()}}
         row[f"top1_agree_lossless_{codec}"] = _first_token(row["kv"]["first"], row[f"kv_{codec}"]["first"])[0]
-    for mode, suffix in [("kv", ""), ("kv_plain", "_plain"), ("kv_norc", "_norc")] + \
-            [(f"kv_{c}", f"_{c}") for c in (copies or {})]:
+    for mode in ("kv", *VARIANTS, *(f"kv_{c}" for c in (copies or {}))):
+        suffix = mode.removeprefix("kv")
         if mode in row:
             row["top1_agree" + suffix], row["kl_text_kv" + suffix] = _first_token(row["text"]["first"], row[mode]["first"])
             row["top1_agree_tie" + suffix] = _tie_aware(row["text"]["first"], row[mode]["first"])

@@ -76,7 +76,7 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
     growth = {m: rows[-1][m]["median"] / k0[m]["median"] for m in ("kv", "cached")} if k0 else {}
     return {"bench": "ttft", "reader_adapter": str(mem.engine.reader_adapter or ""),
             "text_facts": mem.config.kv.text_facts,
-            "recompute": Recompute(mem.config.kv.recompute, mem.config.kv.recompute_rule).tag, "facts_pool": len(ids), "reps": reps, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "recompute": mem.config.kv.recompute_setting.tag, "facts_pool": len(ids), "reps": reps, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "encode_seconds": added.encode.seconds if added.encode else None, "rows": rows,
             "kv_growth_max_k_over_k0": growth.get("kv"), "cached_growth_max_k_over_k0": growth.get("cached")}
 
