@@ -90,3 +90,29 @@ def test_memory_text_facts_prefills_the_last_facts_as_text(openai_client, alpha)
 
     # Each fact taken out of the plan lowers the count; the system header stays injected.
     assert injected(0) > injected(1) > injected(2, stream=True) > 0
+
+
+def test_auto_mode_through_the_sdk_serves_text_until_the_model_is_verified(openai_client, alpha, servers):
+    """memory.mode "auto" as the openai SDK sends it (extra_body): text with no `kvmem verify`
+    verdict for the served model, KV once one passed; the reply names the mode served."""
+    from kvmem.model import resolve_model, verdict
+
+    _store(alpha, "chat-auto")
+    fingerprint = resolve_model(None, servers.data_dir / "models").fingerprint
+    path = verdict.verdict_path(servers.data_dir, fingerprint)
+    path.unlink(missing_ok=True)
+
+    def ask() -> dict:
+        r = openai_client.chat.completions.create(model="kvmem", messages=[{"role": "user", "content": QUESTION}],
+                                                  max_tokens=4, extra_body={"memory": {"user_id": "chat-auto",
+                                                                                       "mode": "auto"}})
+        return r.model_extra["memory"]
+
+    try:
+        unverified = ask()
+        assert unverified["mode"] == "text" and unverified["injected_tokens"] == 0
+        verdict.save(servers.data_dir, fingerprint, {"passed": True})
+        verified = ask()
+        assert verified["mode"] == "kv" and verified["injected_tokens"] > 0
+    finally:
+        path.unlink(missing_ok=True)
