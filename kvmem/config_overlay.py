@@ -53,6 +53,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("engine.gpu_memory_utilization", "--gpu-memory-utilization"),
     "dtype": ("engine.dtype", "--dtype"),
     "vllm_args": ("engine.vllm_args", "-- VLLM_ARGS"),
+    "extract_url": ("extract.url", "--extract-url"),
+    "extract_model": ("extract.model", "--extract-model"),
 }
 
 

@@ -59,7 +59,8 @@ def test_the_store_lists_counts_and_sweeps_by_expiry(store):
     assert store.delete_expired(now) == [gone] and store.delete_expired(now) == []
     with pytest.raises(UnknownFactError):
         store.get(gone.id)
-    assert [(e.event, e.new_text) for e in store.history(gone.id)] == [("ADD", None), ("DELETE", None)]
+    assert [(e.event, e.new_text, e.source) for e in store.history(gone.id)] == [("ADD", None, None),
+                                                                                ("DELETE", None, "expiry")]
     assert store.set_expiry(later.id, None).expires_at is None
     assert store.set_expiry(stays.id, now - 1).expired(now)
     assert [r.id for r in store.delete_expired(now + 7200)] == [stays.id]
@@ -87,7 +88,7 @@ def test_a_schema_3_sqlite_home_gains_expires_at(tmp_path):
         assert [r.id for r in s.delete_expired(time.time())] == [before[0].id]
     finally:
         s.close()
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
 
 
 def test_a_schema_3_postgres_database_gains_expires_at(pg_url):
@@ -107,7 +108,7 @@ def test_a_schema_3_postgres_database_gains_expires_at(pg_url):
     finally:
         s.close()
     with psycopg.connect(pg_url) as conn:
-        assert conn.execute("SELECT value FROM kvmem_meta WHERE key = 'schema_version'").fetchone()[0] == "4"
+        assert conn.execute("SELECT value FROM kvmem_meta WHERE key = 'schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
 
 
 # -- the service, no engine ---------------------------------------------------------------------

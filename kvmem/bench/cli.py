@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvmem.argtypes import non_negative_int
+from kvmem.argtypes import non_negative_int, positive_int
 from kvmem.bench import locomo
 
 RESULTS = Path("docs/results")
@@ -96,8 +96,9 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     lc.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
                     help="comma-separated sample ids (default: all)")
     lc.add_argument("-k", "--k", type=int, default=10)
-    lc.add_argument("--memory", choices=("observations", "turns", "both"), default="observations",
-                    help="facts stored: LoCoMo's observations, the conversation's turns, or both (default: observations)")
+    lc.add_argument("--memory", choices=("observations", "turns", "both", "extracted"), default="observations",
+                    help="facts stored: LoCoMo's observations, the conversation's turns, both, or the facts "
+                         "add(infer=True) extracts from it (eval extract's memory; default: observations)")
     lc.add_argument("--window", type=int, default=None,
                     help="CWE window: turns a fact is encoded after (turns: the turns before it, default 2; "
                          "observations: the turns ending at its evidence, default 0; both: the turns')")
@@ -119,6 +120,25 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     recompute_options(lc)
     data_options(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
+    ex = ev.add_parser("extract", help="add(messages, infer=True) on LoCoMo: extracted facts vs LoCoMo's observations "
+                                       "(precision/recall by embedding match), memory size with and without "
+                                       "reconciliation")
+    ex.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x), default=None,
+                    help="comma-separated sample ids (default: the tuning split, conv-26,conv-30,conv-41)")
+    ex.add_argument("--turns-per-add", type=positive_int, default=None,
+                    help="turns per add call (default: 8; eval locomo --memory extracted reads the default's memory)")
+    ex.add_argument("--threshold", type=float, default=0.6,
+                    help="cosine similarity at which an extracted fact matches an observation (default: 0.6; "
+                         "0.5 and 0.7 are reported too)")
+    ex.add_argument("--sessions", type=positive_int, default=None,
+                    help="only each conversation's first N sessions (default: all)")
+    ex.add_argument("--workers", type=positive_int, default=3, help="conversations extracted at once (default: 3)")
+    ex.add_argument("--extract-url", default=None,
+                    help="an OpenAI-compatible API's base URL to extract with (default: the configured [extract] "
+                         "url, else the served model); its key: KVMEM_EXTRACT_API_KEY or [extract] api_key")
+    ex.add_argument("--extract-model", default=None, help="the model name sent to --extract-url")
+    data_options(ex, "extract")
+    ex.set_defaults(func=cmd_extract)
     rt = ev.add_parser("retrieval", help="LoCoMo evidence recall@5/10/20 per category: dense, lexical, hybrid")
     rt.add_argument("--conversations", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
                     help="comma-separated sample ids (default: all)")
@@ -248,6 +268,22 @@ def eval_retrieval_memories() -> tuple[str, ...]:
     from kvmem.bench.eval_retrieval import MEMORIES  # the CLI imports bench modules lazily
 
     return MEMORIES
+
+
+def cmd_extract(args, config) -> int:
+    from kvmem.bench import eval_extract
+    from kvmem.service import KVMem
+
+    defaults = {"conversations": eval_extract.TUNING, "turns_per_add": eval_extract.TURNS_PER_ADD}
+    given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
+    cfg = eval_extract.ExtractEvalConfig(args.data, **{**defaults, **given}, threshold=args.threshold,
+                                         sessions=args.sessions, workers=args.workers)
+    # --extract-url reached config.extract through the overlay: then no engine is needed here.
+    with KVMem(config, start_engine=not config.extract.url, background=False) as mem:
+        # Extracted facts quote LoCoMo (CC BY-NC): the per-call log stays in the data folder.
+        result = eval_extract.run(mem, cfg, config.home / "eval")
+    print(eval_extract.report(result, args.out or RESULTS, cfg.name))
+    return 0
 
 
 def cmd_retrieval(args, config) -> int:

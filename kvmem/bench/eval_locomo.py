@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvmem.bench import locomo
+from kvmem.bench.eval_extract import TURNS_PER_ADD, extract_conversation, user_of
 from kvmem.bench.eval_report import VARIANTS
 from kvmem.bench.metrics import locomo_f1, top20_kl
 from kvmem.errors import InvalidInputError
@@ -30,7 +31,8 @@ MODES = ("text", "kv", "off")
 # first token closer to text mode but lost log-likelihood and temporal F1, so by default they
 # get no context.
 # With both stored, `window` is the turns' window and `observation_window` the observations' (0).
-DEFAULT_WINDOW = {"observations": 0, "turns": 2, "both": 2}
+# Extracted facts (eval_extract's memory) are stored bare, as add(infer=True) stores them.
+DEFAULT_WINDOW = {"observations": 0, "turns": 2, "both": 2, "extracted": 0}
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class EvalConfig:
     data: Path
     conversations: tuple[str, ...] = ()  # sample ids; empty = all
     k: int = 10
-    memory: str = "observations"  # or "turns", or "both" (each observation and each turn a fact)
+    memory: str = "observations"  # or "turns", "both" (each observation and each turn a fact), "extracted"
     window: int | None = None  # None: DEFAULT_WINDOW[memory]
     limit: int | None = None  # questions per conversation, drawn at random (seeded)
     seed: int = 0
@@ -52,11 +54,17 @@ class EvalConfig:
     recompute: str = "off"  # the service's kv.recompute setting (Recompute.tag), set by the caller: names the run
 
     def __post_init__(self):
+        if self.memory not in DEFAULT_WINDOW:
+            raise InvalidInputError(f"memory must be one of {tuple(DEFAULT_WINDOW)}, got {self.memory!r}",
+                                    param="memory")
+        if self.memory == "extracted" and self.window:
+            raise InvalidInputError("extracted facts are stored as add(infer=True) stores them: no window",
+                                    param="window")
         if self.observation_window is not None and self.memory != "both":
             raise InvalidInputError("observation_window is for memory 'both'; with observations alone, "
                                     f"window is the observations' window (memory {self.memory!r})",
                                     param="observation_window")
-        if self.observation_origin and self.memory == "turns":
+        if self.observation_origin and self.memory in ("turns", "extracted"):
             raise InvalidInputError("observation_origin needs observations stored (memory 'observations' or 'both')",
                                     param="observation_origin")
         if self.observation_window is not None and (not isinstance(self.observation_window, int)
@@ -79,6 +87,8 @@ class EvalConfig:
     def memory_name(self) -> str:
         """"both-w2", "-o1" after it when observations are stored after their turn too, "-src" when
         they are searched with it."""
+        if self.memory == "extracted":
+            return f"extracted-t{TURNS_PER_ADD}"  # eval extract's reconciled memory (build_memory)
         o = self.observation_window_size if self.memory == "both" else 0
         return f"{self.memory}-w{self.window_size}" + (f"-o{o}" if o else "") + ("-src" if self.observation_origin else "")
 
@@ -94,10 +104,14 @@ class EvalConfig:
         return f"locomo-{self.memory_name}-k{self.k}{sample}{subset}{ranking}{codecs}{text}{rc}"
 
 
-def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True) -> str:
-    """Store the conversation's memory under its own user (and encode all its KV); returns that user id."""
+def build_memory(mem, conv: dict, cfg: EvalConfig, *, encode: bool = True, log_dir: Path | None = None) -> str:
+    """Store the conversation's memory under its own user (and encode all its KV); returns that user id.
+    Extracted memory is built (or resumed) by eval extract's code, its log in `log_dir`."""
     user = f"locomo-{conv['sample_id']}-{cfg.memory_name}"
-    if not mem.get_all(user_id=user, limit=1):  # else stored by an earlier (maybe interrupted) run
+    if cfg.memory == "extracted":
+        user = user_of(mem, conv["sample_id"], TURNS_PER_ADD)  # named by the extracting LLM too
+        extract_conversation(mem, conv, log_dir or mem.config.home / "eval")
+    elif not mem.get_all(user_id=user, limit=1):  # else stored by an earlier (maybe interrupted) run
         _store(mem, conv, cfg, user)
     if encode:
         _encode(mem, mem.get_all(user_id=user, limit=10_000))
@@ -243,7 +257,7 @@ def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
         raise SystemExit("comparing codecs re-codes lossless blobs: run with the default codec (none)")
     jobs, copies = [], {}
     for conv in convs:
-        user = build_memory(mem, conv, cfg, encode=False)
+        user = build_memory(mem, conv, cfg, encode=False, log_dir=out_dir)
         qs = locomo.sample_questions(conv, cfg.limit, cfg.seed)
         todo = [(user, conv["sample_id"], i, q) for i, q in qs if f"{conv['sample_id']}#{i}" not in done]
         if todo:

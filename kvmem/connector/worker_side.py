@@ -37,7 +37,7 @@ from kvmem.errors import AdapterError, BlobError
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.codec import Coded, check_codec, decode_parts, role_codecs
 from kvmem.kv.store import KVStore
-from kvmem.reader.kvmap import KVMap, rotate_half
+from kvmem.reader.kvmap import KVMap, pair_swap
 
 log = logging.getLogger("kvmem.connector")
 
@@ -88,7 +88,7 @@ class WorkerSide:
         if self._kv_map is not None and self._map_fits():
             self._kv_map = self._kv_map.to(self.device, torch.float32)
             # One factor per rotary pair, spread to both of its dims once: [L, H, D] each.
-            self._key_factors = tuple(torch.cat((t, t), dim=-1) for t in (self._kv_map.key_a, self._kv_map.key_b))
+            self._key_factors = self._kv_map.key_factors()
 
     def _layer_rotators(self) -> LayerRotators:
         if isinstance(self._rotator_of, KeyRotator):
@@ -195,12 +195,15 @@ class WorkerSide:
         return True
 
     def _check_map(self) -> None:
-        """The map's complex multiply commutes with RoPE only for full, neox-style rotation."""
+        """The map's complex multiply commutes with RoPE for neox-style pairs (reader/kvmap.py),
+        at any base per layer, when it pairs the dims the model rotates as the model does."""
         self._kv_map.check_shape(len(self._caches), self.num_kv_heads, self.head_size)
+        rotary_dim = self._kv_map.rotary_dim or self.head_size
         for rot in self.rotator.per_layer:
-            if not rot.is_neox_style or rot.rotary_dim != self.head_size:
-                raise AdapterError("the reader's KV map needs full neox-style rotary embeddings, this model has "
-                                   f"rotary_dim {rot.rotary_dim} of {self.head_size}, neox {rot.is_neox_style}")
+            if not rot.is_neox_style or rot.rotary_dim != rotary_dim:
+                raise AdapterError(f"the reader's KV map pairs neox-style rotary dims over {rotary_dim} of "
+                                   f"{self.head_size}; this model has rotary_dim {rot.rotary_dim}, neox "
+                                   f"{rot.is_neox_style}")
 
     def _mapped(self, i: int, key: torch.Tensor, value: torch.Tensor, mapped: torch.Tensor):
         """Layer i's key, value [N, H, D] through the reader's KV map where mapped [N] is True,
@@ -209,7 +212,7 @@ class WorkerSide:
         where = mapped.view(-1, 1, 1)  # [N, 1, 1]
         k = key.to(torch.float32)
         a, b = (t[i] for t in self._key_factors)  # [H, D]
-        k = torch.where(where, a * k + b * rotate_half(k), k)
+        k = torch.where(where, a * k + b * pair_swap(k, m.rotary_dim), k)
         v = value.to(torch.float32)
         v = torch.where(where, m.value_scale[i] * v + m.value_shift[i], v)
         return k.to(key.dtype), v.to(value.dtype)

@@ -62,10 +62,17 @@ class Inferrer:
         messages = _conversation(messages, facts, context, origin, timestamp_of(timestamp))
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidInputError(f"metadata must be a dict, got {type(metadata).__name__}", param="metadata")
-        new = self.extract(messages, scope)
+        return self.apply(self.extract(messages, scope), messages, scope, metadata=metadata, encode=encode,
+                          expiration_date=expiration_date)
+
+    def apply(self, new: list[str], messages: list[dict], scope: Scope, *, reconcile: bool = True,
+              metadata=None, encode: str = "background", expiration_date=None) -> InferResult:
+        """Store the facts `new` extracted from `messages`: reconciled with the scope's similar
+        facts (Mem0's), or with reconcile=False all added (the eval's baseline: one extraction,
+        applied both ways, isolates what reconciliation does)."""
         if not new:
             return InferResult((), None)
-        shown = self.similar(new, scope)
+        shown = self.similar(new, scope) if reconcile else []
         decisions = self.decide(new, shown, scope) if shown else [Decision(i, "ADD") for i in range(len(new))]
         changes = changes_of(decisions, new, messages, metadata)
         results, report = apply_changes(self.writes, changes, scope, encode=encode, expiration_date=expiration_date)

@@ -29,7 +29,8 @@ from kvmem.facts.scope import Scope
 log = logging.getLogger("kvmem.writes")  # where dropped changes have always been logged
 
 CHANGE_EVENTS = ("ADD", "UPDATE", "DELETE")
-INFER_SOURCE = {"source": "infer"}  # marks, in a fact's metadata, that an LLM's decision wrote it
+INFER = "infer"  # the source of what an LLM's decision wrote: in the fact's metadata and its history events
+INFER_SOURCE = {"source": INFER}
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Changes:
 def _add_row(dialect, conn, scope: Scope, change: Change, vector, expires_at) -> Done:
     row = new_row(scope, change.text, metadata={**(change.metadata or {}), **INFER_SOURCE}, origin=change.origin,
                   event_time=change.event_time, embedding=vector, expires_at=expires_at)
-    fact, created = sql.insert(conn, row)
+    fact, created = sql.insert(conn, row, INFER)
     if not created:
         return Changed(fact.id, fact.text, "NONE"), fact
     dialect.changed(conn, "add", {"id": fact.id, "user_id": fact.user_id})
@@ -104,7 +105,7 @@ def _update_row(dialect, conn, scope: Scope, change: Change, vector, expires_at)
                "updated_at": now}
     columns.update(kv_status="pending", kv_attempts=0)  # the blob was made from the old words
     sql.set_columns(conn, old["id"], columns)
-    sql.log(conn, "UPDATE", old, old["text"], text, now)
+    sql.log(conn, "UPDATE", old, old["text"], text, now, INFER)
     dialect.changed(conn, "update", old)
     return Changed(old["id"], text, "UPDATE", old["text"]), record(sql.fetch(conn, old["id"]))
 
@@ -113,7 +114,7 @@ def _delete_row(dialect, conn, scope: Scope, change: Change, vector, expires_at)
     old = _owned_row(conn, scope, change)
     if old is None:
         return None, None
-    sql.forget(conn, [old])
+    sql.forget(conn, [old], INFER)
     dialect.changed(conn, "delete", old)
     return Changed(old["id"], old["text"], "DELETE"), None
 

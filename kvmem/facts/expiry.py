@@ -77,7 +77,7 @@ class Expiry:
                 return []
         with self._tx() as conn:
             rows = conn.execute(query, (now,)).fetchall()
-            sql.forget(conn, rows)
+            sql.forget(conn, rows, "expiry")
             for row in rows:
                 self._dialect.changed(conn, "delete", row)
         if rows:

@@ -69,6 +69,7 @@ _MIGRATIONS = (
     "ALTER TABLE facts ADD COLUMN IF NOT EXISTS origin TEXT NOT NULL DEFAULT ''",  # schema 2 -> 3
     "ALTER TABLE facts ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION",  # schema 3 -> 4
 )
+_HISTORY_MIGRATIONS = ("ALTER TABLE history ADD COLUMN IF NOT EXISTS source TEXT",)  # schema 4 -> 5
 
 
 class PgFactStore(FactStore):
@@ -145,7 +146,8 @@ class PgDialect:
         if version == SCHEMA_VERSION:
             return  # no DDL on every start: it locks the tables, and may need rights a gateway lacks
         facts, *rest = schema.statements(schema.POSTGRES)
-        for statement in (facts, *_MIGRATIONS, *rest):  # an old table gains its columns before their indexes
+        # An old table gains its columns before their indexes; history exists once `rest` ran.
+        for statement in (facts, *_MIGRATIONS, *rest, *_HISTORY_MIGRATIONS):
             conn.execute(statement)
         conn.execute("INSERT INTO kvmem_meta (key, value) VALUES ('schema_version', ?) ON CONFLICT (key)"
                      " DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))

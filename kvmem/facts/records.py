@@ -23,7 +23,8 @@ SOURCES = ("fact", "messages")
 HISTORY_EVENTS = ("ADD", "UPDATE", "DELETE")
 MAX_LIMIT = 10_000
 MAX_OFFSET = (1 << 63) - 1  # SQLite's largest integer: OFFSET overflows beyond it
-SCHEMA_VERSION = 4  # 2: kv_status 'evicted', table kv_usage; 3: column origin; 4: column expires_at
+SCHEMA_VERSION = 5  # 2: kv_status 'evicted', table kv_usage; 3: column origin; 4: column expires_at;
+# 5: history.source
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +73,7 @@ class HistoryEvent:
     new_text: str | None
     at: float
     user_id: str | None = None  # whose fact it was: lets callers check ownership after a delete
+    source: str | None = None  # what decided it: "infer" (an LLM's reconciliation), "expiry"; None: a caller
 
 
 FIELDS = tuple(f.name for f in fields(FactRecord))  # the facts table's columns, in this order

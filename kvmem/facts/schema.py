@@ -74,6 +74,7 @@ def statements(t: Types) -> tuple[str, ...]:
         "user_id TEXT NOT NULL",
         "agent_id TEXT",
         "run_id TEXT",
+        "source TEXT",  # NULL: a caller's own write (records.HistoryEvent.source)
     ]
     return (
         facts_table(t),

@@ -18,8 +18,8 @@ from kvmem.facts.scope import check_scope_field
 
 _INSERT = f"INSERT INTO facts ({COLUMNS}) VALUES ({', '.join(':' + f for f in FIELDS)})"
 _ID_USED = "SELECT 1 FROM facts WHERE id = ? UNION ALL SELECT 1 FROM history WHERE fact_id = ? LIMIT 1"
-_LOG = ("INSERT INTO history (fact_id, event, old_text, new_text, at, scope_key, user_id, agent_id, run_id)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_LOG = ("INSERT INTO history (fact_id, event, old_text, new_text, at, scope_key, user_id, agent_id, run_id,"
+        " source) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
 
 def fetch(conn: Connection, fact_id: str) -> Mapping[str, Any]:
@@ -34,8 +34,9 @@ def still(row: Mapping[str, Any], if_text: str | None) -> bool:
     return if_text is None or row["text"] == if_text
 
 
-def insert(conn: Connection, row: dict[str, Any]) -> tuple[FactRecord, bool]:
-    """(record, created): the new fact, or the one in its scope that already has this text."""
+def insert(conn: Connection, row: dict[str, Any], source: str | None = None) -> tuple[FactRecord, bool]:
+    """(record, created): the new fact, or the one in its scope that already has this text.
+    `source`: what decided the write, for its history event (HistoryEvent.source)."""
     sql = f"SELECT {COLUMNS} FROM facts WHERE scope_key = ? AND content_hash = ?"
     existing = conn.execute(sql, (row["scope_key"], row["content_hash"])).fetchone()
     if existing is not None:
@@ -45,7 +46,7 @@ def insert(conn: Connection, row: dict[str, Any]) -> tuple[FactRecord, bool]:
         raise InvalidInputError(f"fact id {row['id']!r} is already in use", param="fact_id")
     row["created_at"] = row["updated_at"] = time.time()
     conn.execute(_INSERT, row)
-    log(conn, "ADD", row, None, row["text"], row["created_at"])
+    log(conn, "ADD", row, None, row["text"], row["created_at"], source)
     return record(row), True
 
 
@@ -63,20 +64,21 @@ def refuse_duplicate(conn: Connection, old: Mapping[str, Any], digest: str) -> N
         raise InvalidInputError(f"fact text duplicates fact {clash['id']!r} in the same scope", param="facts")
 
 
-def forget(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> None:
+def forget(conn: Connection, rows: Iterable[Mapping[str, Any]], source: str | None = None) -> None:
     """Delete these facts and scrub their words from history; the events themselves stay."""
     now = time.time()
     for row in rows:
         # Earlier events keep what happened and when, but lose the words.
         conn.execute("UPDATE history SET old_text = NULL, new_text = NULL WHERE fact_id = ?", (row["id"],))
-        log(conn, "DELETE", row, None, None, now)
+        log(conn, "DELETE", row, None, None, now, source)
         conn.execute("DELETE FROM facts WHERE id = ?", (row["id"],))
         conn.execute("DELETE FROM kv_usage WHERE fact_id = ?", (row["id"],))
 
 
-def log(conn: Connection, event: str, fact: Mapping[str, Any], old: str | None, new: str | None, at: float) -> None:
+def log(conn: Connection, event: str, fact: Mapping[str, Any], old: str | None, new: str | None, at: float,
+        source: str | None = None) -> None:
     conn.execute(_LOG, (fact["id"], event, old, new, at, fact["scope_key"], fact["user_id"], fact["agent_id"],
-                        fact["run_id"]))
+                        fact["run_id"], source))
 
 
 def filters(

@@ -113,6 +113,8 @@ def _connect(path: Path) -> sqlite3.Connection:
         _migrate_v2(conn)
     if version in (1, 2, 3):
         _migrate_v3(conn)
+    if version in (1, 2, 3, 4):
+        _migrate_v4(conn)
     for statement in schema.statements(schema.SQLITE):
         conn.execute(statement)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -149,6 +151,13 @@ def _migrate_v3(conn: sqlite3.Connection) -> None:
     if "expires_at" not in {row["name"] for row in conn.execute("PRAGMA table_info(facts)")}:
         conn.execute("ALTER TABLE facts ADD COLUMN expires_at REAL")
         log.info("fact store migrated to schema 4 (column expires_at)")
+
+
+def _migrate_v4(conn: sqlite3.Connection) -> None:
+    """Schema 4 -> 5: history.source (NULL, a caller's write, for every earlier event)."""
+    if "source" not in {row["name"] for row in conn.execute("PRAGMA table_info(history)")}:
+        conn.execute("ALTER TABLE history ADD COLUMN source TEXT")
+        log.info("fact store migrated to schema 5 (history.source)")
 
 
 class _Guards:

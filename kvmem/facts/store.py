@@ -289,7 +289,8 @@ class FactStore(Expiry, Bulk, Changes):
 
     def history(self, fact_id: str) -> builtins.list[HistoryEvent]:
         """Every event of a fact, oldest first, also after it was deleted (texts scrubbed then)."""
-        query = "SELECT fact_id, event, old_text, new_text, at, user_id FROM history WHERE fact_id = ? ORDER BY id"
+        query = ("SELECT fact_id, event, old_text, new_text, at, user_id, source FROM history WHERE fact_id = ?"
+                 " ORDER BY id")
         with self._lock:
             rows = self._open().execute(query, (lookup_id(fact_id),)).fetchall()
         if not rows:

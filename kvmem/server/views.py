@@ -33,7 +33,7 @@ def memory(record, tenant: Tenant, **extra) -> dict:
 
 def history_event(event) -> dict:
     return {"memory_id": event.fact_id, "event": event.event, "old_memory": event.old_text,
-            "new_memory": event.new_text, "created_at": iso(event.at)}
+            "new_memory": event.new_text, "created_at": iso(event.at), "source": event.source}
 
 
 def records(mem, ids) -> list:

@@ -1,5 +1,9 @@
 """`kvmem tune-reader`: train the reader adapter for the configured model, then measure it on
-conversations it never saw. Needs no engine (PyTorch only); minutes on a CPU for the bundled model."""
+conversations it never saw. Needs no engine (PyTorch only); minutes on a CPU for the bundled model.
+
+It trains on the tuning set kvmem ships (tuning_set.py: synthetic conversations, no outside
+data) unless --data names LoCoMo-shaped conversations; it measures on LoCoMo's reporting
+conversations when that file is there (--eval-data), and says so and skips the measurement when not."""
 
 from __future__ import annotations
 
@@ -54,9 +58,15 @@ def _targets(text: str) -> tuple[str, ...]:
 def add_parser(sub) -> None:
     p = sub.add_parser("tune-reader", help="train the reader adapter (a KV map of the injected facts, optionally a LoRA) by distilling text prefill",
                        description=__doc__)
-    p.add_argument("--data", type=Path, default=locomo.DEFAULT_PATH, help="LoCoMo JSON (read by path, never copied)")
-    p.add_argument("--conversations", type=_ids, default=TUNE_CONVERSATIONS,
-                   help=f"training conversations (default: {','.join(TUNE_CONVERSATIONS)})")
+    p.add_argument("--data", type=Path, default=None,
+                   help="training conversations, LoCoMo-shaped JSON (default: the tuning set kvmem ships, "
+                        "kvmem/tune/data/tuning_set.json; LoCoMo itself is read by path, never copied)")
+    p.add_argument("--conversations", type=_ids, default=None,
+                   help="training conversations (default: all of the shipped tuning set; with --data, "
+                        f"{','.join(TUNE_CONVERSATIONS)}, LoCoMo's tuning split)")
+    p.add_argument("--eval-data", type=Path, default=locomo.DEFAULT_PATH,
+                   help="held-out conversations, LoCoMo JSON (default: ../shared's LoCoMo; when it is missing the "
+                        "measurement is skipped)")
     p.add_argument("--eval-conversations", type=_ids, default=REPORT_CONVERSATIONS,
                    help=f"held-out conversations to measure on; '' for none (default: {','.join(REPORT_CONVERSATIONS)})")
     p.add_argument("--memory", type=_memories, default=("observations", "both"), metavar="KINDS",
@@ -111,8 +121,15 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     from kvmem.tune.train import eos_ids, evaluate, load_model, tune
     from kvmem.service import KVMem
 
-    overlap = set(args.conversations) & set(args.eval_conversations)
-    if overlap:
+    from kvmem.tune import tuning_set
+
+    data, conversations = training_data(args.data, args.conversations)
+    if args.eval_conversations and not args.eval_data.is_file():
+        print(f"kvmem tune-reader: no held-out data at {args.eval_data}: training only, nothing measured "
+              "(pass --eval-data LOCOMO_JSON to measure)", file=sys.stderr)
+        args.eval_conversations = ()
+    overlap = set(conversations) & set(args.eval_conversations)
+    if overlap and data.resolve() == args.eval_data.resolve():
         raise SystemExit(f"kvmem tune-reader: {sorted(overlap)} would be trained on and evaluated on")
     try:
         cfg = tune_config(args)
@@ -126,25 +143,26 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
             raise SystemExit(f"kvmem tune-reader: {e}") from e
         train, held = [], {}
         for memory in args.memory:
-            train += [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, memory=memory,
+            train += [ex for _, ex in locomo_examples(mem, data, conversations, k=args.k, memory=memory,
                                                       limit=args.limit or None, seed=args.seed)]
             if args.turn_questions:
-                train += [ex for _, ex in locomo_examples(mem, args.data, args.conversations, k=args.k, seed=args.seed,
+                train += [ex for _, ex in locomo_examples(mem, data, conversations, k=args.k, seed=args.seed,
                                                           memory=memory, limit=args.turn_questions, asked="turns")]
             if args.eval_conversations:
-                held[memory] = [ex for _, ex in locomo_examples(mem, args.data, args.eval_conversations, k=args.k,
+                held[memory] = [ex for _, ex in locomo_examples(mem, args.eval_data, args.eval_conversations, k=args.k,
                                                                 memory=memory, limit=args.eval_limit or None,
                                                                 seed=args.seed)]
         model_info, eos = mem.model, eos_ids(mem.prompts.tokenizer)
     out = args.out or adapters.user_folder(config.home, model_info.fingerprint)
     meta = {"fingerprint": model_info.fingerprint, "model": str(model_info.path),
-            "conversations": list(args.conversations), "memory": list(args.memory), "k": args.k,
+            "data": "shipped tuning set" if data == tuning_set.PATH else str(data),
+            "conversations": list(conversations), "memory": list(args.memory), "k": args.k,
             "trained_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     report = tune(model, train, eos, out, cfg, meta)
     print(f"adapter: {out} ({report.steps} steps, {report.seconds / 60:.1f} min); "
           f"KL over the first tenth {report.first_loss:.4f}, last tenth {report.last_loss:.4f}")
     result = {"command": "kvmem " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-              "train_conversations": list(args.conversations), "memory": list(args.memory),
+              "train_data": meta["data"], "train_conversations": list(conversations), "memory": list(args.memory),
               "train_examples": len(train),
               "train_turn_questions_per_conversation": args.turn_questions,
               "tune": {**cfg.__dict__}, "steps": report.steps, "seconds": round(report.seconds, 1),
@@ -163,6 +181,18 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     path.write_text(json.dumps(result, indent=1))
     print(f"results: {path}")
     return 0
+
+
+def training_data(data: Path | None, conversations: tuple[str, ...] | None) -> tuple[Path, tuple[str, ...]]:
+    """(file, conversation ids) to train on: the shipped tuning set, all of it, unless told."""
+    from kvmem.tune import tuning_set
+
+    if data is None:
+        data = tuning_set.PATH
+    if conversations is None:
+        conversations = (tuple(c["sample_id"] for c in locomo.load(data)) if data == tuning_set.PATH
+                         else TUNE_CONVERSATIONS)
+    return data, conversations
 
 
 def add_bench_parser(bench) -> None:

@@ -67,35 +67,59 @@ def rotary(model):
 _INTERLEAVED = frozenset({"cohere", "cohere2", "glm", "glm4", "chatglm", "gptj", "codegen"})
 
 
-def check_rotary(model) -> None:
-    """Refuse a model the lab cannot move keys for: its rotary must be neox-style and span the
-    whole head, as kvmem's KV map also needs at serving (engine/worker_side.py). Called before
-    any training, so a mismatch costs seconds, not a training run."""
+def layer_types(model) -> list[str]:
+    """Each layer's attention type (Gemma 3: "sliding_attention" or "full_attention"), which
+    picks its rotary base where the model has one per type."""
+    cfg = model.config
+    return list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+
+
+def rope_tables(model, x: torch.Tensor, positions: torch.Tensor, layer: int):
+    """(cos, sin) [b, n, R] of layer `layer` at `positions` [b, n]: the model's own rotary
+    embedding, asked with the layer's type where it rotates layers differently (Gemma 3)."""
+    rope = rotary(model)
+    if len(inspect.signature(rope.forward).parameters) > 2:
+        return rope(x, positions, layer_types(model)[layer])
+    return rope(x, positions)
+
+
+def rotary_dim(model) -> int:
+    """R: how many of a head's dims RoPE rotates (the head's all, unless rotary is partial)."""
+    cfg = model.config
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cos, _ = rope_tables(model, torch.zeros(1, 1, head), torch.zeros(1, 1, dtype=torch.long), 0)  # [1, 1, R]
+    return cos.shape[-1]
+
+
+def check_rotary(model) -> int:
+    """Refuse a model the lab cannot move keys for: its rotary must be neox-style, as kvmem's KV
+    map also needs at serving (connector/worker_side.py), with an even head and rotated part;
+    per-layer bases (Gemma 3) and partial rotary (Phi-3 with partial_rotary_factor) are fine.
+    -> R. Called before any training, so a mismatch costs seconds, not a training run."""
+    from kvmem.errors import AdapterError
+    from kvmem.reader.kvmap import check_rotary_dim
+
     cfg = model.config
     if cfg.model_type in _INTERLEAVED:
         raise UnsupportedConfigError(f"{cfg.model_type}: interleaved rotary embeddings; the reader's "
                                      "training and KV map need neox-style (rotate-half) rotation")
-    rope = rotary(model)
-    params = list(inspect.signature(rope.forward).parameters)
-    if len(params) > 2:
-        # e.g. Gemma 3: sliding-window and global layers rotate with different bases; the lab
-        # moves every layer's keys with one table.
-        raise UnsupportedConfigError(f"{cfg.model_type}: rotary embeddings that differ per layer "
-                                     f"({', '.join(params)}); the reader's training moves keys with one "
-                                     "table for all layers")
     head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    probe = torch.zeros(1, 1, head)
-    cos, _ = rope(probe, torch.zeros(1, 1, dtype=torch.long))  # [1, 1, rotary_dim]
-    if cos.shape[-1] != head:
-        raise UnsupportedConfigError(f"{cfg.model_type}: rotary embeddings span {cos.shape[-1]} of the head's "
-                                     f"{head} dims; the reader's training and KV map need all of them rotated")
+    r = rotary_dim(model)
+    try:
+        check_rotary_dim(head, r)
+    except AdapterError as e:
+        raise UnsupportedConfigError(f"{cfg.model_type}: {e}") from None
+    return r
 
 
-def move_keys(model, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """keys [b, heads, n, d] rotated at p -> rotated at p + delta; delta [b, n] ints."""
-    cos, sin = rotary(model)(keys, delta)  # [b, n, d] each
+def move_keys(model, keys: torch.Tensor, delta: torch.Tensor, layer: int = 0) -> torch.Tensor:
+    """Layer `layer`'s keys [b, heads, n, d] rotated at p -> rotated at p + delta; delta [b, n]
+    ints. Partial rotary: the first R dims turn, the rest stay."""
+    cos, sin = rope_tables(model, keys, delta, layer)  # [b, n, R] each
     cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
-    return keys * cos + rotate_half(keys) * sin
+    r = cos.shape[-1]
+    turned = keys[..., :r] * cos + rotate_half(keys[..., :r]) * sin
+    return torch.cat((turned, keys[..., r:]), dim=-1)
 
 
 def _kv_of(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +129,11 @@ def _kv_of(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def _forward_cache(model, ids: torch.Tensor, positions: torch.Tensor):
-    out = model.model(input_ids=ids, position_ids=positions, use_cache=True)
+    from transformers import DynamicCache
+
+    # A cache of whole layers: a sliding-window layer's own cache (Gemma 3) keeps only its last
+    # window of tokens, and a fact's every token is moved and served.
+    out = model.model(input_ids=ids, position_ids=positions, past_key_values=DynamicCache(), use_cache=True)
     return out.past_key_values
 
 
@@ -125,7 +153,7 @@ def memory_cache(model, ex: Example, layout: Layout = KVMEM, facts: "FactKV | No
     at = len(ex.head)
     for enc, (_, fact) in zip(encoded, ex.facts):
         for i, (k, v) in enumerate(enc.layers):  # k, v: [1, kv_heads, len(fact), d] at its encoding positions
-            keys[i].append(move_keys(model, k, torch.full((1, len(fact)), at - enc.start)) if layout.moved else k)
+            keys[i].append(move_keys(model, k, torch.full((1, len(fact)), at - enc.start), i) if layout.moved else k)
             values[i].append(v)
         at += len(fact)
     return [(torch.cat(k, dim=2), torch.cat(v, dim=2)) for k, v in zip(keys, values)]
@@ -192,7 +220,8 @@ def _fact_rows(ex: Example, layout: Layout):
 def as_cache(model, layers: list[tuple[torch.Tensor, torch.Tensor]]):
     from transformers import DynamicCache
 
-    return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in layers], config=model.config)
+    # Whole layers (no config): the attention mask, not the cache, keeps a sliding layer in its window.
+    return DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in layers])
 
 
 def reply_logits(model, ex: Example, reply: tuple[int, ...], layers=None) -> torch.Tensor:

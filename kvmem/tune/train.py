@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from kvmem.reader import kvmap, lora
-from kvmem.tune.lab import Example, FactKV, check_rotary, memory_cache, reply_logits, teacher_reply
+from kvmem.tune.lab import Example, FactKV, check_rotary, memory_cache, reply_logits, rotary_dim, teacher_reply
 from kvmem.tune.measure import kl_per_token
 from kvmem.tune.split import TUNE_CONVERSATIONS  # noqa: F401 - part of train's API (never the reported ones)
 
@@ -196,7 +196,8 @@ def _trainable_map(model) -> kvmap.KVMap:
     """A KV map for this model that changes nothing yet, its tensors trainable."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return kvmap.KVMap.identity(c.num_hidden_layers, c.num_key_value_heads, head_dim, requires_grad=True)
+    return kvmap.KVMap.identity(c.num_hidden_layers, c.num_key_value_heads, head_dim, requires_grad=True,
+                                rotary_dim=rotary_dim(model))
 
 
 def _step(model, wrapped, opt, ex: Example, target, facts: FactKV, first_weight: float = 1.0,

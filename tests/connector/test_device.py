@@ -215,6 +215,41 @@ def test_the_readers_kv_map_reaches_the_facts_and_never_the_header(tmp_path, rop
     assert not torch.equal(k[:, 10:], plain_k[:, 10:])
 
 
+def test_a_kv_map_on_partial_rotary_pairs_as_the_lab_does_and_a_whole_head_map_is_refused(tmp_path, model_dir):
+    """Oracle, partial rotary (Phi-3 shapes, issue 44): a map made for R = D/2 rotated dims maps
+    each fact key as the lab's KVMap.keys does, after the move; a map pairing the whole head
+    would not commute with RoPE there, so the worker drops it (plain KV, the reason kept)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from kvmem.connector.plan import Span
+    from kvmem.reader.kvmap import pair_swap
+    from tests.reader.test_kvmap import random_map
+
+    with set_current_vllm_config(VllmConfig()):
+        partial = get_rope(DIM, max_position=4096, dtype=torch.bfloat16,
+                           rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5})
+    assert partial.rotary_dim == DIM // 2
+    rotator = KeyRotator(partial)
+    blobs = _head_and_fact(rotator)
+    k_fact = blobs[Span("fact", 10, 12)].key
+    kv_map = random_map(LAYERS, HEADS, DIM, rotary_dim=DIM // 2)
+    got, refusals = {}, {}
+    for name, with_map in (("plain", None), ("mapped", kv_map), ("whole head", random_map(LAYERS, HEADS, DIM))):
+        side = worker(tmp_path / name, partial, model_dir, kv_map=with_map)
+        with SimulatedDevice():
+            side.register_kv_caches({n: to_device(empty_cache()) for n in NAMES})
+            got[name] = _inject(side, blobs, (0,), 10)
+        refusals[name] = side.map_refusal
+    assert refusals["mapped"] is None and "rotary_dim 32" in refusals["whole head"]
+    assert all(torch.equal(a, b) for a, b in zip(got["whole head"], got["plain"]))
+    moved = k_fact.float().contiguous()
+    rotator.move(moved, torch.arange(40, 52), torch.arange(10, 22))
+    moved = moved.to(torch.bfloat16).float()  # [L, N, H, D]
+    a, b = (t[:, None] for t in kv_map.key_factors())  # [L, 1, H, D]
+    assert torch.equal(got["mapped"][0][:, 10:], (a * moved + b * pair_swap(moved, DIM // 2)).to(torch.bfloat16))
+
+
 def test_a_kv_map_for_another_shape_is_dropped_at_start_and_chats_read_plain_kv(tmp_path, rope, model_dir):
     """A map that does not fit used to raise here, in the worker, and vLLM then failed to start:
     now the worker drops it, says why, and a chat that asks for the map gets plain KV."""

@@ -78,6 +78,7 @@ def test_add_with_infer_end_to_end(mem):
         assert fact.text == change.memory and fact.metadata["source"] == "infer" and fact.metadata["topic"] == "pets"
         assert fact.origin and any(m["content"] in fact.origin for m in CONVERSATION)
         assert fact.kv_status == "encoded" and mem.history(change.id)[0].event == "ADD"
+        assert mem.history(change.id)[0].source == "infer"
     second = mem.add([{"role": "user", "content": "Marta's puppy Bruno is now two years old."}], user_id=user,
                      infer=True, encode="sync")
     shape = second.as_mem0()
@@ -113,8 +114,8 @@ def test_update_changes_the_fact_its_vector_and_its_blob_and_writes_history(mem)
     assert report.encoded == 1 and fact.kv_status == "encoded"
     blob = mem.kv.get(old.id).token_ids
     assert blob != old_blob and blob == mem.prompts.fact_tokens(new_text)
-    assert [(e.event, e.old_text, e.new_text) for e in mem.history(old.id)] == [
-        ("ADD", None, "I live in Porto."), ("UPDATE", "I live in Porto.", new_text)]
+    assert [(e.event, e.old_text, e.new_text, e.source) for e in mem.history(old.id)] == [
+        ("ADD", None, "I live in Porto.", None), ("UPDATE", "I live in Porto.", new_text, "infer")]
     assert mem.search("Lisbon", user_id=user, k=1, ranking="lexical")[0].id == old.id
 
 
@@ -127,8 +128,8 @@ def test_delete_forgets_the_fact_fully(mem):
         mem.get(gone.id)
     assert not mem.kv.exists(gone.id) and mem.blob(gone.id).tier is None
     assert [h.id for h in mem.search("vegetarian", user_id=user, k=5)] == [kept.id]
-    assert [(e.event, e.old_text, e.new_text) for e in mem.history(gone.id)] == [("ADD", None, None),
-                                                                              ("DELETE", None, None)]
+    assert [(e.event, e.old_text, e.new_text, e.source) for e in mem.history(gone.id)] == [
+        ("ADD", None, None, None), ("DELETE", None, None, "infer")]  # the decision's source, on a delete too
 
 
 def test_an_unknown_or_foreign_id_changes_nothing(mem):

@@ -314,6 +314,19 @@ def test_a_schema_2_database_gains_origin(stores, pg_url):
     assert version == str(store_module.SCHEMA_VERSION)
 
 
+def test_a_schema_4_database_gains_history_source(stores, pg_url):
+    s = stores()
+    record, _ = s.add(ALICE, "one")
+    with admin(pg_url) as conn:
+        conn.execute("ALTER TABLE history DROP COLUMN source")
+        conn.execute("UPDATE kvmem_meta SET value = '4' WHERE key = 'schema_version'")
+    s = stores()
+    assert [(e.event, e.source) for e in s.history(record.id)] == [("ADD", None)]
+    s.set_expiry(record.id, 1.0)
+    s.delete_expired(2.0)
+    assert [(e.event, e.source) for e in stores().history(record.id)] == [("ADD", None), ("DELETE", "expiry")]
+
+
 def test_times_are_double_precision(stores, pg_url):
     s = stores()
     record, _ = s.add(ALICE, "one")

@@ -718,6 +718,31 @@ def test_a_schema_2_store_gains_origin_and_keeps_every_fact(path):
         FactStore(path).add(ALICE, "x", origin=3)
 
 
+def test_a_schema_4_store_gains_history_source_and_keeps_its_history(path):
+    """Schema 5 added history.source: a schema 4 file gets it, NULL (a caller's write) for every
+    earlier event, and new events record theirs."""
+    import sqlite3
+
+    s = FactStore(path)
+    (record, _), = s.add_many([{"text": "one", "scope": ALICE}])
+    before = s.history(record.id)
+    s.close()
+    conn = sqlite3.connect(path)
+    conn.execute("ALTER TABLE history DROP COLUMN source")
+    conn.execute("PRAGMA user_version=4")
+    conn.close()
+    s = FactStore(path)
+    try:
+        assert s.history(record.id) == before and before[0].source is None
+        s.delete_expired(0.0)  # nothing expired: no event
+        s.set_expiry(record.id, 1.0)
+        s.delete_expired(2.0)
+        assert [(e.event, e.source) for e in s.history(record.id)] == [("ADD", None), ("DELETE", "expiry")]
+    finally:
+        s.close()
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
+
+
 def test_usage_counts_round_trip_and_leave_with_their_fact(store):
     (a, _), (b, _) = store.add_many([{"text": t, "scope": ALICE} for t in ("one", "two")])
     store.save_usage({a.id: 3, b.id: 1, "f-gone": 7})  # a fact deleted meanwhile is skipped

@@ -14,11 +14,56 @@ from kvmem.errors import AdapterError
 from kvmem.reader import adapters, kvmap, lora
 
 
-def random_map(layers=2, heads=3, dim=8, seed=0, spread=0.3) -> kvmap.KVMap:
+def random_map(layers=2, heads=3, dim=8, seed=0, spread=0.3, rotary_dim=None) -> kvmap.KVMap:
     g = torch.Generator().manual_seed(seed)
     half, full = (layers, heads, dim // 2), (layers, heads, dim)
     return kvmap.KVMap(1 + spread * torch.randn(half, generator=g), spread * torch.randn(half, generator=g),
-                       1 + spread * torch.randn(full, generator=g), spread * torch.randn(full, generator=g))
+                       1 + spread * torch.randn(full, generator=g), spread * torch.randn(full, generator=g),
+                       rotary_dim=rotary_dim)
+
+
+def tiny_hf(kind: str):
+    """A one- or two-layer Hugging Face model whose rotary is not the bundled model's: "per-layer"
+    (Gemma 3: a sliding layer with base 10k beside a global one with 1M), "partial" (Phi-3 with
+    half its head rotated)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_attention_heads=2,
+                  num_key_value_heads=2)
+    if kind == "per-layer":
+        cfg = Gemma3TextConfig(**common, head_dim=32, num_hidden_layers=2, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"],
+                               rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)
+    else:
+        cfg = Phi3Config(**common, num_hidden_layers=1, partial_rotary_factor=0.5, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["per-layer", "partial"])
+def test_the_key_map_commutes_with_each_layers_rope(kind):
+    """Oracle: as for the bundled model, on every layer of a model with per-layer bases and of
+    one with partial rotary (the map pairs the rotated dims and the rest apart)."""
+    from kvmem.tune.lab import move_keys, rotary_dim
+
+    model = tiny_hf(kind)
+    c, head = model.config, 32
+    r = rotary_dim(model)
+    assert r == (16 if kind == "partial" else 32)
+    m = random_map(c.num_hidden_layers, c.num_key_value_heads, head, rotary_dim=r)
+    pre = torch.randn(1, c.num_key_value_heads, 5, head)  # [1, H, n, D]
+    delta = torch.tensor([[0, 7, 100, 3000, 12]])
+    for layer in range(c.num_hidden_layers):
+        a = m.keys(layer, move_keys(model, pre, delta, layer))
+        b = move_keys(model, m.keys(layer, pre), delta, layer)
+        assert torch.allclose(a, b, atol=1e-4)
+    if kind == "per-layer":  # the two layers really rotate apart, so the per-layer table matters
+        assert not torch.allclose(move_keys(model, pre, delta, 0), move_keys(model, pre, delta, 1), atol=1e-2)
+    else:  # the resting dims do not move, and a map pairing the whole head would not commute
+        assert torch.equal(move_keys(model, pre, delta)[..., r:], pre[..., r:])
+        whole = random_map(1, c.num_key_value_heads, head)
+        a, b = whole.keys(0, move_keys(model, pre, delta)), move_keys(model, whole.keys(0, pre), delta)
+        assert not torch.allclose(a, b, atol=1e-2)
 
 
 def test_the_key_map_commutes_with_rope(hf_model):
@@ -41,11 +86,12 @@ def test_identity_changes_nothing():
     assert torch.equal(m.keys(1, k), k) and torch.equal(m.values(1, v), v)
 
 
-def test_save_load_round_trip(tmp_path):
-    m = random_map()
+@pytest.mark.parametrize("rotary_dim", [None, 4])
+def test_save_load_round_trip(tmp_path, rotary_dim):
+    m = random_map(rotary_dim=rotary_dim)
     kvmap.save(tmp_path, m)
     got = kvmap.load(tmp_path)
-    assert all(torch.equal(a, b) for a, b in zip(got.tensors(), m.tensors()))
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors(), m.tensors())) and got.rotary_dim == rotary_dim
     assert kvmap.load(tmp_path / "nowhere") is None and kvmap.load(None) is None
     got.check_shape(2, 3, 8)
     with pytest.raises(AdapterError, match=r"\[2, 3, 8\], the model has \[2, 2, 8\]"):
@@ -65,11 +111,14 @@ def _bad(name):
 
 
 @pytest.mark.parametrize("case, match", [("nan", "key_b must be finite"), ("shape", "head_dim / 2"),
-                                         ("missing", "a KV map holds tensors")])
+                                         ("missing", "a KV map holds tensors"), ("odd rotary", "rotary_dim 3"),
+                                         ("rotary beyond", "rotary_dim 10")])
 def test_malformed_maps_are_refused(tmp_path, case, match):
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in _bad(case).items()}, str(tmp_path / kvmap.FILE))
+    metadata = {"odd rotary": {"rotary_dim": "3"}, "rotary beyond": {"rotary_dim": "10"}}.get(case)
+    tensors = _bad(case) if case in ("nan", "shape", "missing") else dict(zip(kvmap.NAMES, random_map().tensors()))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / kvmap.FILE), metadata=metadata)
     with pytest.raises(AdapterError, match=match):
         kvmap.load(tmp_path)
 

@@ -97,3 +97,26 @@ def test_cli_add_infer_through_the_endpoint(server, tmp_path, capsys, monkeypatc
     *facts, summary = capsys.readouterr().out.splitlines()
     assert facts and summary == f"{len(facts)} add, 0 update, 0 delete, 0 none"  # a fresh home: all new
     assert all(line.startswith("f-") and line.split()[1] == "ADD" for line in facts)
+
+
+def test_eval_extract_measures_a_model_behind_an_endpoint(server, tmp_path, locomo_path, capsys, monkeypatch):
+    """A user measures their own model: `eval extract --extract-url` with no engine of its own."""
+    from kvmem.cli import main
+
+    home, out = tmp_path / "home", tmp_path / "out"
+    argv = ["--home", str(home), "--models-home", str(default_home() / "models"), "eval", "extract",
+            "--extract-url", server.url + "/v1", "--conversations", "conv-30", "--sessions", "1",
+            "--turns-per-add", "10", "--data", str(locomo_path), "--out", str(out)]
+    monkeypatch.setenv("KVMEM_EXTRACT_API_KEY", KEYS["alpha"])
+    assert main(argv) == 0
+    result = json.loads((out / "extract-conv-30-t10-s1.json").read_text())
+    assert result["llm"].startswith(server.url + "/v1") and KEYS["alpha"] not in json.dumps(result)
+    growth = result["conversations"]["conv-30"]["growth"]
+    assert [g["turns"] for g in growth] == [20] and growth[0]["reconciled"] <= growth[0]["all_added"]
+    assert "facts: recall" in capsys.readouterr().out
+    logs = list((home / "eval").glob("locomo-conv-30-extracted-t10-*.jsonl"))  # named by the endpoint
+    assert len(logs) == 1 and len(eval_log_rows(logs[0])) == 2
+
+
+def eval_log_rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]

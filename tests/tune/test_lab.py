@@ -27,6 +27,25 @@ def test_one_fact_in_kv_mode_is_text_prefill(hf_model, make_example):
     assert torch.allclose(text, kv, atol=1e-3), (text - kv).abs().max()
 
 
+@pytest.mark.parametrize("kind", ["per-layer", "partial"])
+@torch.no_grad()
+def test_kv_mode_is_text_prefill_where_facts_sit_where_encoded_on_other_rotaries(kind, make_example):
+    """Oracle for the lab on Gemma 3 (per-layer bases, a window of 8, shorter than the prompt)
+    and partial-rotary shapes: k=1 as above, and three facts moved to their serving positions
+    give layer 0 the keys a forward computes there."""
+    from tests.reader.test_kvmap import tiny_hf
+
+    model = tiny_hf(kind)
+    ex = make_example(FACTS[:1])
+    reply = (ex.tail[-1], ex.tail[-2], ex.tail[-3])
+    text = reply_logits(model, ex, reply)
+    kv = reply_logits(model, ex, reply, memory_cache(model, ex))
+    assert torch.allclose(text, kv, atol=1e-3), (text - kv).abs().max()
+    ex = make_example(FACTS[:3])
+    moved, there = (memory_cache(model, ex, layout)[0][0] for layout in (KVMEM, Layout("head", moved=False)))
+    assert moved.shape[2] == len(ex.memory_ids) and torch.allclose(moved, there, atol=1e-4)
+
+
 @torch.no_grad()
 def test_moved_keys_equal_keys_encoded_there(hf_model, make_example):
     """Layer 0's keys depend on the token and its position only: a fact encoded after the head and
@@ -85,21 +104,31 @@ def test_the_bundled_model_has_a_rotary_the_lab_can_move(hf_model):
     lab.check_rotary(hf_model)
 
 
-REFUSED = {"partial": "span 8 of the head's 16", "interleaved": "interleaved", "per-layer": "differ per layer"}
-
-
-@pytest.mark.parametrize("kind", list(REFUSED))
-def test_a_rotary_the_lab_cannot_move_is_refused_before_training(kind, make_example, eos, tmp_path):
-    """tune-reader used to train such a model (or crash mid-run on a shape or a missing
-    argument) and, for the first two, leave a map that serving then refused."""
-    from transformers import CohereConfig, Gemma3TextConfig, Phi3Config
+def test_an_interleaved_rotary_is_refused_before_training(make_example, eos, tmp_path):
+    """tune-reader used to train such a model (or crash mid-run) and leave a map that serving
+    then refused: the map's pairs are neox-style."""
+    from transformers import CohereConfig
 
     from kvmem.errors import UnsupportedConfigError
     from kvmem.tune.train import TuneConfig, tune
 
-    model = {"partial": lambda: _tiny(Phi3Config, partial_rotary_factor=0.5, pad_token_id=0),
-             "interleaved": lambda: _tiny(CohereConfig),
-             "per-layer": lambda: _tiny(Gemma3TextConfig, head_dim=16)}[kind]()
-    with pytest.raises(UnsupportedConfigError, match=REFUSED[kind]):
-        tune(model, [make_example()], eos, tmp_path / "adapter", TuneConfig(), {})
+    with pytest.raises(UnsupportedConfigError, match="interleaved"):
+        tune(_tiny(CohereConfig), [make_example()], eos, tmp_path / "adapter", TuneConfig(), {})
     assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.parametrize("kind, rotary_dim", [("per-layer", None), ("partial", 16)])
+def test_per_layer_and_partial_rotary_train_a_map_that_says_its_pairing(kind, rotary_dim, make_example, eos,
+                                                                         tmp_path):
+    """Gemma 3 and partial-rotary Phi-3 shapes used to be refused here (issue 44): now they train,
+    and the map's file names the rotated dims serving must pair as the lab did."""
+    from kvmem.reader import kvmap
+    from kvmem.tune.train import TuneConfig, tune
+    from tests.reader.test_kvmap import tiny_hf
+
+    model = tiny_hf(kind)
+    assert lab.check_rotary(model) == (rotary_dim or 32)
+    tune(model, [make_example()], eos, tmp_path / "adapter", TuneConfig(), {})
+    got = kvmap.load(tmp_path / "adapter")
+    assert got.rotary_dim == rotary_dim and got.shape == (model.config.num_hidden_layers, 2, 32)
+    assert not torch.equal(got.key_b, torch.zeros_like(got.key_b))  # it trained
