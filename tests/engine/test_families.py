@@ -239,3 +239,15 @@ def test_recomputing_every_fact_token_matches_text_prefill(family_mem):
           f"engine prefix-hit noise {noise:.4f}")
     assert gap <= tol, f"{family}: recompute deviates {gap:.4f}"
     assert plain_gap > 2 * gap
+
+
+def test_kvmem_verify_passes_on_every_family(family_mem, capsys):
+    """`kvmem verify`'s rows on the family's running engine (issue 44: the gate must pass on each
+    family of the matrix): the oracles exact, KV mode's first token agreeing loosely."""
+    from kvmem.bench import verify
+
+    family, mem = family_mem
+    result = verify.run(mem)
+    with capsys.disabled():
+        print(f"\n{family}: " + "; ".join(f"{r['name']} {r['value']}" for r in result["rows"]))
+    assert result["passed"], f"{family}: {result['verdict']}"
