@@ -244,13 +244,14 @@ def test_tune_reader_memories_are_checked_and_kept_in_order_once(capsys):
 
 
 def test_tune_reader_refuses_a_model_whose_rotary_it_cannot_move_before_any_work(kvmem, model_dir, tmp_path):
-    """A partial-rotary model (Phi-3) used to be trained anyway, and its map refused at serving."""
+    """An interleaved-rotary model (GPT-J) would train a map serving refuses: refused before any
+    data is read (partial rotary, which used to be refused here, now trains: tests/tune/test_lab.py)."""
     from tests.engine.test_families import make_model_dir
 
-    phi3 = make_model_dir(tmp_path, "phi3", Path(model_dir))
+    gptj = make_model_dir(tmp_path, "gptj", Path(model_dir))
     with pytest.raises(SystemExit) as exit_:
-        kvmem("--model", str(phi3), "tune-reader", "--data", str(tmp_path / "no-such-locomo.json"))
-    assert "rotary embeddings span 32 of the head's 64 dims" in str(exit_.value)
+        kvmem("--model", str(gptj), "tune-reader", "--data", str(tmp_path / "no-such-locomo.json"))
+    assert "interleaved rotary embeddings" in str(exit_.value)
 
 
 def test_home_after_the_command_is_the_folder_home_before_it_names(tmp_path, capsys):
