@@ -61,4 +61,3 @@ def test_a_fault_mid_batch_rolls_the_whole_batch_back(pair, monkeypatch):
         after = [(f.id, f.text, f.updated_at) for f in mem.get_all(user_id="u")], mem.history(porto), mem.history(veg)
         assert after == before
     assert _top(a, "Lisbon cat")[:3] == _top(b, "Lisbon cat")[:3] and set(_top(a, "Lisbon cat")) <= {porto, veg, bike}
-
