@@ -12,7 +12,8 @@ Rows, each a measured number against its tolerance; the gates decide the verdict
   together: the same bound, which pins slot mapping and multi-segment assembly;
 - fidelity: facts encoded independently (KV mode's approximation: they do not attend to each
   other) against text prefill, on a bundled set, without and with the model's reader adapter:
-  first-token agreement, gated loosely (>= AGREEMENT_MIN), and top-20 KL, reported only.
+  first-token agreement, gated loosely (>= AGREEMENT_MIN) for what KV mode serves (with the
+  adapter when the engine has one; the other row is reported), and top-20 KL, reported only.
 
 The oracles serve each fact where it was encoded, so they pin slot mapping, layout, dtype and
 assembly exactly, and keys rotated for another position than the one they are served at fail
@@ -156,20 +157,25 @@ def fidelity_rows(mem, user: str) -> list[Row]:
             kv = mem.chat(q, user_id=user, fact_ids=chosen, mode="kv", max_tokens=1, reader=reader)
             seen[reader].append((_top1(text) == _top1(kv.first_logprobs), top20_kl(text, kv.first_logprobs),
                                  kv.fallbacks, kv.reader_adapter))
-    rows = _fidelity("fidelity, no reader", seen[False])
     if any(adapter for *_, adapter in seen[True]):
-        return rows + _fidelity("fidelity, reader adapter", seen[True])
-    return rows + [Row("fidelity, reader adapter", "none", "reported", True, gate=False,
-                       note="the engine serves this model without one")]
+        # KV mode reads with the adapter: that is what the gate is about. A base model whose
+        # plain KV continues the fact list where text mode echoes the prompt (Gemma 3 270M:
+        # 0 of 8) passes when its map brings it back (8 of 8, 2026-12-05).
+        return _fidelity("fidelity, no reader", seen[False], gate=False) + \
+            _fidelity("fidelity, reader adapter", seen[True])
+    return _fidelity("fidelity, no reader", seen[False]) + [
+        Row("fidelity, reader adapter", "none", "reported", True, gate=False,
+            note="the engine serves this model without one")]
 
 
-def _fidelity(name: str, seen: list[tuple]) -> list[Row]:
+def _fidelity(name: str, seen: list[tuple], gate: bool = True) -> list[Row]:
+    """gate=False: reported, not served (the row still says whether it would pass)."""
     agree = sum(a for a, *_ in seen) / len(seen)
     kl = sum(k for _, k, *_ in seen) / len(seen)
     fallbacks = sum(f for _, _, f, _ in seen)
-    note = f"{len(seen)} questions, {fallbacks} facts served as text"
+    note = f"{len(seen)} questions, {fallbacks} facts served as text" + ("" if gate else "; not served: reported")
     return [Row(f"{name}: first-token agreement", round(agree, 3), f">= {AGREEMENT_MIN:.2f}",
-                agree >= AGREEMENT_MIN and fallbacks == 0, note=note),
+                agree >= AGREEMENT_MIN and fallbacks == 0, gate=gate, note=note),
             Row(f"{name}: top-20 KL", round(kl, 4), "reported", True, gate=False)]
 
 

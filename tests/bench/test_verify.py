@@ -30,7 +30,10 @@ def test_kvmem_verify_passes_on_the_bundled_model_and_caches_its_verdict(tmp_pat
     assert "verdict: PASS" in printed
     saved = json.loads((out / "verify.json").read_text())
     assert saved["passed"] is True and ROWS <= {r["name"] for r in saved["rows"]}
-    assert "fidelity, reader adapter: first-token agreement" in {r["name"] for r in saved["rows"]}
+    gates = {r["name"]: r["gate"] for r in saved["rows"]}
+    # What KV mode serves is gated: with an adapter, its row; the plain row is reported only.
+    assert gates["fidelity, reader adapter: first-token agreement"] is True
+    assert gates["fidelity, no reader: first-token agreement"] is False
     assert verdict.load(home, saved["fingerprint"])["rows"] == saved["rows"]
     assert verdict.passed(home, saved["fingerprint"])
     assert not (home / "facts.sqlite").exists() and not (home / "kv").exists()
@@ -56,6 +59,7 @@ def test_verify_passes_on_the_session_engine_then_auto_serves_kv(mem, no_verdict
     rows = {r["name"]: r for r in result["rows"]}
     assert result["passed"] and result["verdict"] == "pass", result
     assert ROWS <= rows.keys() and rows["fidelity, reader adapter"]["value"] == "none"  # the session engine has none
+    assert rows["fidelity, no reader: first-token agreement"]["gate"]  # then plain KV is what is served
     assert rows["k=1 injection oracle"]["passed"] and rows["k=10 true-prefix oracle"]["passed"]
     assert not mem.get_all(user_id=f"{verify.USER}-k1")  # its facts are gone again
 
