@@ -240,11 +240,22 @@ class ExtractConfig:
       own engine (text mode, no memory), so inference needs no second model or service.
     model: the model name sent to that API (None: the first its GET /models lists).
     api_key: sent as a Bearer token to that API (None: none sent).
+    on_unavailable: what an add with infer=True does when that LLM cannot be reached: "fail"
+      (HTTP 503, nothing stored) or "turns" (the messages stored turn by turn, as infer=False
+      stores them; the response says so).
     """
 
     url: str | None = None
     model: str | None = None
     api_key: str | None = None
+    on_unavailable: str = "fail"
+
+    def __post_init__(self) -> None:
+        if self.on_unavailable not in ON_UNAVAILABLE:
+            raise ValueError(f"extract.on_unavailable must be one of {ON_UNAVAILABLE}, got {self.on_unavailable!r}")
+
+
+ON_UNAVAILABLE = ("fail", "turns")
 
 
 @dataclass(frozen=True)
@@ -377,6 +388,7 @@ ENV: dict[str, EnvVar] = {
     "extract.url": EnvVar("KVMEM_EXTRACT_URL", str, blank_unset=True),
     "extract.model": EnvVar("KVMEM_EXTRACT_MODEL", str, blank_unset=True),
     "extract.api_key": EnvVar("KVMEM_EXTRACT_API_KEY", str, blank_unset=True),
+    "extract.on_unavailable": EnvVar("KVMEM_EXTRACT_ON_UNAVAILABLE", str),
 }
 
 

@@ -62,7 +62,8 @@ class KVMem:
         self.chats = Chats(c, self.prompts, self.facts, self.retrieval, self.keeper, self.engine)
         self.writes = self.chats.writes = Writes(c, self.facts, self.retrieval, self.keeper, self.chats.check_fact,
                                                  self._write_lock)
-        self.inferrer = Inferrer(open_llm(c.extract, self.chats), self.retrieval, self.facts, self.writes)
+        self.inferrer = Inferrer(open_llm(c.extract, self.chats), self.retrieval, self.facts, self.writes,
+                                 c.extract.on_unavailable)
         if encoder is not None and background:
             encoder.start()
 

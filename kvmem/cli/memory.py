@@ -67,6 +67,9 @@ def _add_inferred(args: argparse.Namespace, config: Config, messages, scope: dic
         counts = ", ".join(f"{events.count(e)} {e.lower()}" for e in ("ADD", "UPDATE", "DELETE", "NONE"))
         encoded = f"; encoded {result.encode.encoded} in {result.encode.seconds:.2f} s" if result.encode else ""
         print(f"{counts}{encoded}" if events else "no facts extracted")
+        if result.stored_as_turns:
+            print("the extraction LLM was unavailable: the messages were stored turn by turn "
+                  "([extract] on_unavailable = turns)")
     return 0
 
 

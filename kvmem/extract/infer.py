@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvmem.errors import InvalidInputError
 from kvmem.extract import prompts
 from kvmem.extract.decide import Decision, aliases, parse_decisions, parse_facts
-from kvmem.extract.llm import LLM
+from kvmem.extract.llm import LLM, ExtractorUnavailable
 from kvmem.facts.inputs import iso_or_none, timestamp_of, with_timestamp
 from kvmem.facts.messages import check_messages, turn_text
 from kvmem.facts.scope import Scope
@@ -41,6 +41,7 @@ class InferResult:
 
     results: tuple[Changed, ...]
     encode: EncodeReport | None  # None when encoding was left to the background
+    stored_as_turns: bool = False  # the LLM was down and [extract] on_unavailable = "turns" stored the messages
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -51,8 +52,9 @@ class InferResult:
 
 
 class Inferrer:
-    def __init__(self, llm: LLM, retrieval: Retrieval, facts, writes: Writes) -> None:
+    def __init__(self, llm: LLM, retrieval: Retrieval, facts, writes: Writes, on_unavailable: str = "fail") -> None:
         self.llm, self.retrieval, self.facts, self.writes = llm, retrieval, facts, writes
+        self.on_unavailable = on_unavailable  # ExtractConfig.on_unavailable
 
     def add(self, messages, scope: Scope, *, facts=None, metadata=None, context: str = "", window=None,
             encode: str = "background", timestamp=None, origin: str = "", expiration_date=None) -> InferResult:
@@ -62,8 +64,29 @@ class Inferrer:
         messages = _conversation(messages, facts, context, origin, timestamp_of(timestamp))
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidInputError(f"metadata must be a dict, got {type(metadata).__name__}", param="metadata")
-        return self.apply(self.extract(messages, scope), messages, scope, metadata=metadata, encode=encode,
-                          expiration_date=expiration_date)
+        try:
+            new = self.extract(messages, scope)
+            return self.apply(new, messages, scope, metadata=metadata, encode=encode, expiration_date=expiration_date)
+        except ExtractorUnavailable:
+            # Raised before anything was stored (both calls come before apply_changes writes).
+            if self.on_unavailable != "turns":
+                raise
+            log.warning("extraction LLM unavailable: the %d messages stored turn by turn (on_unavailable = turns)",
+                        len(messages))
+            return self.as_turns(messages, scope, metadata, window, encode, expiration_date)
+
+    def as_turns(self, messages: list[dict], scope: Scope, metadata, window, encode: str,
+                 expiration_date) -> InferResult:
+        """The messages stored as add(infer=False) stores them, reported in Mem0's terms: ADD for
+        a turn stored now, NONE for one the scope already held."""
+        import time
+
+        start = time.time()
+        added = self.writes.add(messages, scope, facts=None, metadata=metadata, context="", window=window,
+                                encode=encode, timestamp=None, origin="", expiration_date=expiration_date)
+        records = [self.facts.get(i) for i in added.ids]
+        results = tuple(Changed(r.id, r.text, "ADD" if r.created_at >= start else "NONE") for r in records)
+        return InferResult(results, added.encode, stored_as_turns=True)
 
     def apply(self, new: list[str], messages: list[dict], scope: Scope, *, reconcile: bool = True,
               metadata=None, encode: str = "background", expiration_date=None) -> InferResult:

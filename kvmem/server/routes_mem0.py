@@ -161,7 +161,8 @@ async def add(request: Request, tenant: CurrentTenant, body: Any = Body(...)) ->
     add = partial(mem.add, _messages(body.get("messages"), body.get("timestamp")), **scope, metadata=metadata,
                   encode="background", expiration_date=body.get("expiration_date"))
     if infer:
-        return {"results": [{**r, "data": {"memory": r["memory"]}} for r in await add_inferred(rt, mem, tenant, add)]}
+        out = await add_inferred(rt, mem, tenant, add)
+        return {**out, "results": [{**r, "data": {"memory": r["memory"]}} for r in out["results"]]}
     result = await rt.call(add)
     results, seen = [], set()
     for r in await rt.call(views.records, mem, result.ids):

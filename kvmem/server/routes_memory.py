@@ -57,7 +57,7 @@ async def add_memories(body: AddMemoriesBody, request: Request, tenant: CurrentT
                   encode=body.encode, timestamp=body.timestamp, origin=body.origin,
                   expiration_date=body.expiration_date)
     if body.infer:
-        return {"results": await add_inferred(rt, mem, tenant, add)}
+        return await add_inferred(rt, mem, tenant, add)
     result = await rt.call(add)
     records, seen, results = await rt.call(views.records, mem, result.ids), set(), []
     for r in records:
@@ -67,16 +67,19 @@ async def add_memories(body: AddMemoriesBody, request: Request, tenant: CurrentT
     return {"results": results, "created": result.created, "duplicates": result.duplicates}
 
 
-async def add_inferred(rt, mem, tenant: Tenant, add: partial) -> list[dict]:
-    """Run `add` with infer=True -> Mem0's results: each fact with its event (and previous_memory
-    for an UPDATE); a stored one with the fields of views.memory, a deleted one its id and text."""
+async def add_inferred(rt, mem, tenant: Tenant, add: partial) -> dict:
+    """Run `add` with infer=True -> {"results": Mem0's results}: each fact with its event (and
+    previous_memory for an UPDATE); a stored one with the fields of views.memory, a deleted one
+    its id and text. `"stored_as_turns": true` when the LLM was down and [extract]
+    on_unavailable = "turns" stored the messages as they came."""
     try:
         result = await rt.call(partial(add, infer=True))
     except ExtractorUnavailable as e:
         raise ApiError(503, str(e), type="server_error", param=e.param, code=e.code) from None
     records = {r.id: r for r in await rt.call(views.records, mem, [c.id for c in result.results])}
-    return [{**(views.memory(records[c.id], tenant) if c.id in records and c.event != "DELETE" else {}),
-             **c.as_mem0()} for c in result.results]
+    results = [{**(views.memory(records[c.id], tenant) if c.id in records and c.event != "DELETE" else {}),
+                **c.as_mem0()} for c in result.results]
+    return {"results": results, **({"stored_as_turns": True} if result.stored_as_turns else {})}
 
 
 FILTERS_QUERY = Query(None, description='metadata filters as a JSON object, e.g. {"OR": [{"a": 1}, {"b": "*"}]}')

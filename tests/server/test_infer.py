@@ -120,3 +120,27 @@ def test_eval_extract_measures_a_model_behind_an_endpoint(server, tmp_path, loco
 
 def eval_log_rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_down_endpoint_can_store_the_messages_as_turns_instead(tmp_path, model_dir):
+    """[extract] on_unavailable = "turns": the add still stores what was said, as infer=False
+    would, and says so; a second call reports the turns already held as NONE."""
+    config = Config(home=tmp_path / "home", models_home=model_dir.parent,
+                    extract=ExtractConfig(url="http://127.0.0.1:9/v1", on_unavailable="turns"))
+    mem = KVMem(config, start_engine=False)
+    app = create_app(ServerSettings(api_keys={"k1": "t1"}), mem_factory=lambda: mem)
+    with TestClient(app, headers={"Authorization": "Bearer k1"}) as c:
+        assert app.state.runtime.loaded.wait(30), app.state.runtime.error
+        body = {"user_id": "u", "messages": TURNS, "infer": True}  # no engine here: nothing encodes
+        first = c.post("/v1/memories", json=body).json()
+        assert first["stored_as_turns"] is True and [m["event"] for m in first["results"]] == ["ADD"] * 3
+        listed = c.get("/v1/memories", params={"user_id": "u"}).json()["results"]
+        assert [m["memory"] for m in first["results"]] == [m["memory"] for m in listed]
+        assert [m["memory"] for m in listed][0].endswith(TURNS[0]["content"])
+        again = c.post("/v3/memories/add/", json=body).json()
+        assert again["stored_as_turns"] is True and [m["event"] for m in again["results"]] == ["NONE"] * 3
+
+
+def test_on_unavailable_takes_only_its_two_values():
+    with pytest.raises(ValueError, match="on_unavailable"):
+        ExtractConfig(on_unavailable="retry")
