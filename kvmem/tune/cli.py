@@ -114,45 +114,16 @@ def tune_config(args: argparse.Namespace):
 
 
 def cmd_tune_reader(args: argparse.Namespace, config) -> int:
-    from kvmem.errors import UnsupportedConfigError
     from kvmem.reader import adapters, kvmap, lora
-    from kvmem.tune.examples import locomo_examples
-    from kvmem.tune.lab import check_rotary
-    from kvmem.tune.train import eos_ids, evaluate, load_model, tune
-    from kvmem.service import KVMem
-
     from kvmem.tune import tuning_set
+    from kvmem.tune.train import evaluate, tune
 
-    data, conversations = training_data(args.data, args.conversations)
-    if args.eval_conversations and not args.eval_data.is_file():
-        print(f"kvmem tune-reader: no held-out data at {args.eval_data}: training only, nothing measured "
-              "(pass --eval-data LOCOMO_JSON to measure)", file=sys.stderr)
-        args.eval_conversations = ()
-    overlap = set(conversations) & set(args.eval_conversations)
-    if overlap and data.resolve() == args.eval_data.resolve():
-        raise SystemExit(f"kvmem tune-reader: {sorted(overlap)} would be trained on and evaluated on")
+    data, conversations = checked_data(args)
     try:
         cfg = tune_config(args)
     except ValueError as e:
         raise SystemExit(f"kvmem tune-reader: {e}") from e
-    with KVMem(config, start_engine=False, background=False) as mem:
-        model = load_model(mem.model.path)
-        try:
-            check_rotary(model)  # before gathering examples: minutes, for a model it cannot train
-        except UnsupportedConfigError as e:
-            raise SystemExit(f"kvmem tune-reader: {e}") from e
-        train, held = [], {}
-        for memory in args.memory:
-            train += [ex for _, ex in locomo_examples(mem, data, conversations, k=args.k, memory=memory,
-                                                      limit=args.limit or None, seed=args.seed)]
-            if args.turn_questions:
-                train += [ex for _, ex in locomo_examples(mem, data, conversations, k=args.k, seed=args.seed,
-                                                          memory=memory, limit=args.turn_questions, asked="turns")]
-            if args.eval_conversations:
-                held[memory] = [ex for _, ex in locomo_examples(mem, args.eval_data, args.eval_conversations, k=args.k,
-                                                                memory=memory, limit=args.eval_limit or None,
-                                                                seed=args.seed)]
-        model_info, eos = mem.model, eos_ids(mem.prompts.tokenizer)
+    model, model_info, eos, train, held = gather(args, config, data, conversations)
     out = args.out or adapters.user_folder(config.home, model_info.fingerprint)
     meta = {"fingerprint": model_info.fingerprint, "model": str(model_info.path),
             "data": "shipped tuning set" if data == tuning_set.PATH else str(data),
@@ -181,6 +152,49 @@ def cmd_tune_reader(args: argparse.Namespace, config) -> int:
     path.write_text(json.dumps(result, indent=1))
     print(f"results: {path}")
     return 0
+
+
+def checked_data(args: argparse.Namespace) -> tuple[Path, tuple[str, ...]]:
+    """(training file, its conversations); the held-out side dropped, and said so, when its file
+    is missing; SystemExit when a conversation would be trained and measured on."""
+    data, conversations = training_data(args.data, args.conversations)
+    if args.eval_conversations and not args.eval_data.is_file():
+        print(f"kvmem tune-reader: no held-out data at {args.eval_data}: training only, nothing measured "
+              "(pass --eval-data LOCOMO_JSON to measure)", file=sys.stderr)
+        args.eval_conversations = ()
+    overlap = set(conversations) & set(args.eval_conversations)
+    if overlap and data.resolve() == args.eval_data.resolve():
+        raise SystemExit(f"kvmem tune-reader: {sorted(overlap)} would be trained on and evaluated on")
+    return data, conversations
+
+
+def gather(args: argparse.Namespace, config, data: Path, conversations: tuple[str, ...]):
+    """-> (model, its ModelInfo, eos ids, training Examples, {memory: held-out Examples}); the
+    model's rotary checked first (seconds), before the examples (minutes)."""
+    from kvmem.errors import UnsupportedConfigError
+    from kvmem.service import KVMem
+    from kvmem.tune.examples import locomo_examples
+    from kvmem.tune.lab import check_rotary
+    from kvmem.tune.train import eos_ids, load_model
+
+    with KVMem(config, start_engine=False, background=False) as mem:
+        model = load_model(mem.model.path)
+        try:
+            check_rotary(model)
+        except UnsupportedConfigError as e:
+            raise SystemExit(f"kvmem tune-reader: {e}") from e
+        train, held = [], {}
+        for memory in args.memory:
+            train += [ex for _, ex in locomo_examples(mem, data, conversations, k=args.k, memory=memory,
+                                                      limit=args.limit or None, seed=args.seed)]
+            if args.turn_questions:
+                train += [ex for _, ex in locomo_examples(mem, data, conversations, k=args.k, seed=args.seed,
+                                                          memory=memory, limit=args.turn_questions, asked="turns")]
+            if args.eval_conversations:
+                held[memory] = [ex for _, ex in locomo_examples(mem, args.eval_data, args.eval_conversations, k=args.k,
+                                                                memory=memory, limit=args.eval_limit or None,
+                                                                seed=args.seed)]
+        return model, mem.model, eos_ids(mem.prompts.tokenizer), train, held
 
 
 def training_data(data: Path | None, conversations: tuple[str, ...] | None) -> tuple[Path, tuple[str, ...]]:
