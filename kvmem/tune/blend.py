@@ -14,13 +14,12 @@ chosen token may see (causal, and the sliding window of layers that have one).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
 from kvmem.kv.recompute import Recompute, key_deviation, positional, top_per_fact
-from kvmem.tune.lab import Example, rotary
+from kvmem.tune.lab import Example, layer_types, rope_tables
 
 
 @dataclass
@@ -63,17 +62,12 @@ class _Model:
     """The pieces of a Hugging Face decoder the recompute needs, found once per model."""
 
     def __init__(self, model) -> None:
-        self.inner = model.model
-        cfg = model.config
-        self.types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-        self.window = getattr(cfg, "sliding_window", None)
-        self.rope = rotary(model)
-        self.rope_by_type = len(inspect.signature(self.rope.forward).parameters) > 2
+        self.model, self.inner = model, model.model
+        self.types = layer_types(model)
+        self.window = getattr(model.config, "sliding_window", None)
 
     def position_embeddings(self, h, positions, i: int):
-        if self.rope_by_type:
-            return self.rope(h, positions[None], self.types[i])
-        return self.rope(h, positions[None])
+        return rope_tables(self.model, h, positions[None], i)
 
     def layer(self, i: int, h, positions, cache: _Scatter) -> torch.Tensor:
         window = self.window if self.types[i] == "sliding_attention" else None

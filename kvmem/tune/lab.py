@@ -12,6 +12,7 @@ position p to serving position q is one more rotation by q - p.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -78,9 +79,15 @@ def rope_tables(model, x: torch.Tensor, positions: torch.Tensor, layer: int):
     """(cos, sin) [b, n, R] of layer `layer` at `positions` [b, n]: the model's own rotary
     embedding, asked with the layer's type where it rotates layers differently (Gemma 3)."""
     rope = rotary(model)
-    if len(inspect.signature(rope.forward).parameters) > 2:
+    if _takes_layer_type(type(rope)):
         return rope(x, positions, layer_types(model)[layer])
     return rope(x, positions)
+
+
+@functools.cache
+def _takes_layer_type(rope_class) -> bool:
+    """Whether forward is (x, position_ids, layer_type): asked once per class, not per call."""
+    return len(inspect.signature(rope_class.forward).parameters) > 3  # self, x, position_ids[, layer_type]
 
 
 def rotary_dim(model) -> int:
