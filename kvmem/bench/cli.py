@@ -274,10 +274,10 @@ def cmd_extract(args, config) -> int:
     from kvmem.bench import eval_extract
     from kvmem.service import KVMem
 
-    defaults = {"conversations": eval_extract.TUNING, "turns_per_add": eval_extract.TURNS_PER_ADD}
-    given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
-    cfg = eval_extract.ExtractEvalConfig(args.data, **{**defaults, **given}, threshold=args.threshold,
-                                         sessions=args.sessions, workers=args.workers)
+    # Flags left out keep ExtractEvalConfig's defaults (the tuning split, 8 turns per add).
+    given = {k: getattr(args, k) for k in ("conversations", "turns_per_add") if getattr(args, k) is not None}
+    cfg = eval_extract.ExtractEvalConfig(args.data, **given, threshold=args.threshold, sessions=args.sessions,
+                                         workers=args.workers)
     # --extract-url reached config.extract through the overlay: then no engine is needed here.
     with KVMem(config, start_engine=not config.extract.url, background=False) as mem:
         # Extracted facts quote LoCoMo (CC BY-NC): the per-call log stays in the data folder.

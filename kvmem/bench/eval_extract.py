@@ -169,8 +169,8 @@ def score_conversation(embedder, conv: dict, rows: list[dict], cfg: ExtractEvalC
         said = [o.text for o in observations if o.session == n]
         turn_texts = [locomo.turn_text(t) for t in turns if locomo.turn_text(t).strip()]
         sessions.append({"session": n, "facts": len(facts), "observations": len(said),
-                         **match(embedder, facts, said, "facts", thresholds(cfg)),
-                         **match(embedder, turn_texts, said, "turns", thresholds(cfg))})
+                         **match(embedder, facts, said, "facts", thresholds(cfg.threshold)),
+                         **match(embedder, turn_texts, said, "turns", thresholds(cfg.threshold))})
         turns_so_far += len(turns)
         last = [r for r in rows if r["session"] <= n][-1]
         growth.append({"session": n, "turns": turns_so_far, "reconciled": last["stored"],
@@ -181,8 +181,9 @@ def score_conversation(embedder, conv: dict, rows: list[dict], cfg: ExtractEvalC
             "extracted": sum(len(r["facts"]) for r in rows), "summary": summarize(sessions, cfg.threshold)}
 
 
-def thresholds(cfg: ExtractEvalConfig) -> tuple[float, ...]:
-    return tuple(sorted({*THRESHOLDS, cfg.threshold}))
+def thresholds(threshold: float) -> tuple[float, ...]:
+    """THRESHOLDS and the headline one, in order: the thresholds every measure is reported at."""
+    return tuple(sorted({*THRESHOLDS, threshold}))
 
 
 def match(embedder, facts: list[str], observations: list[str], name: str, at: tuple[float, ...]) -> dict:
@@ -226,7 +227,7 @@ def report(result: dict, out_dir: Path, name: str) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
     o, t = result["overall"], result["config"]["threshold"]
-    at = sorted({*THRESHOLDS, t})
+    at = thresholds(t)
     lines = [f"extraction by {result['llm']}: {o['sessions']} sessions, {o['extracted']} facts extracted",
              f"{'measure (mean over sessions [95% CI])':<38}" + "  ".join(f"{'@' + str(x):<20}" for x in at)]
     for label, key in (("facts: precision", "facts_precision"), ("facts: recall", "facts_recall"),
