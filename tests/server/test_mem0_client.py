@@ -175,3 +175,42 @@ def test_async_client_round_trips(server):
         await client.async_client.aclose()
 
     asyncio.run(run())
+
+
+def test_infer_with_the_extractor_down_stores_turns_for_mem0s_client(tmp_path, model_dir):
+    """[extract] on_unavailable = "turns", driven by Mem0's own client over real HTTP (uvicorn in
+    a thread; no engine: the extraction endpoint is a dead port): the turns are stored and the
+    client sees `stored_as_turns`."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from kvmem.config import Config, ExtractConfig
+    from kvmem.server.app import create_app
+    from kvmem.server.settings import ServerSettings
+    from kvmem.service import KVMem
+    from tests.server.serverproc import free_port
+
+    config = Config(home=tmp_path / "home", models_home=model_dir.parent,
+                    extract=ExtractConfig(url="http://127.0.0.1:9/v1", on_unavailable="turns"))
+    mem = KVMem(config, start_engine=False)
+    app = create_app(ServerSettings(api_keys={"k-down": "down"}), mem_factory=lambda: mem)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (server.started and app.state.runtime.loaded.is_set()):
+            assert time.monotonic() < deadline, app.state.runtime.error
+            time.sleep(0.1)
+        client = MemoryClient(host=f"http://127.0.0.1:{port}", api_key="k-down")
+        out = client.add(TURNS, user_id="u", infer=True)
+        assert out["stored_as_turns"] is True and [m["event"] for m in out["results"]] == ["ADD", "ADD"]
+        listed = client.get_all(filters={"user_id": "u"})["results"]
+        assert sorted(m["memory"] for m in listed) == sorted(m["memory"] for m in out["results"])
+        client.client.close()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
