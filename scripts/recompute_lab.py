@@ -34,7 +34,7 @@ from kvmem.service import KVMem  # noqa: E402
 from kvmem.tune.blend import blend, flops_fraction, text_cache  # noqa: E402
 from kvmem.tune.examples import from_records  # noqa: E402
 from kvmem.tune.lab import FactKV, memory_cache, reply_logits, teacher_reply  # noqa: E402
-from kvmem.tune.measure import compare  # noqa: E402
+from kvmem.tune.measure import compare, tie_aware  # noqa: E402
 from kvmem.tune.train import eos_ids, load_model  # noqa: E402
 
 TUNE = ("conv-26", "conv-30", "conv-41")
@@ -60,16 +60,6 @@ def examples(mem, data: Path, convs, k: int, limit: int, seed: int):
             out.append((f"{conv['sample_id']}#{i}", from_records(mem.prompts, stored, msgs),
                         from_records(mem.prompts, ranked[::-1], msgs)))
     return out
-
-
-def tie_aware(teacher: torch.Tensor, student: torch.Tensor) -> float:
-    lp = teacher[0].float().log_softmax(-1)
-    top = lp.topk(2)
-    a, b = top.values.tolist()
-    pick = int(student[0].argmax())
-    if abs(a - b) <= 2 ** -8 * max(abs(a), abs(b)):
-        return float(pick in top.indices.tolist())
-    return float(pick == int(top.indices[0]))
 
 
 def measure(model, ex, reply, teacher, layers, rec, kv_map, text_layers, n_layers):

@@ -29,6 +29,18 @@ def compare(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, float]:
             "reply_kl": kl.mean().item(), "reply_agree": agree.mean().item()}
 
 
+def tie_aware(teacher: torch.Tensor, student: torch.Tensor) -> float:
+    """First-token agreement that forgives a tie: where text prefill's two best first tokens are
+    within bf16 resolution of each other (|a - b| <= 2^-8 * max(|a|, |b|), log-probabilities),
+    the student agrees if its top token is either of them. teacher, student: [n, vocab]."""
+    top = teacher[0].float().log_softmax(-1).topk(2)
+    a, b = top.values.tolist()
+    pick = int(student[0].argmax())
+    if abs(a - b) <= 2 ** -8 * max(abs(a), abs(b)):
+        return float(pick in top.indices.tolist())
+    return float(pick == int(top.indices[0]))
+
+
 def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.fmean(r[key] for r in rows) for key in rows[0]} if rows else {}
 
