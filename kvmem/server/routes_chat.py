@@ -15,7 +15,7 @@ from kvmem.errors import RequestCancelled
 from kvmem.server.chat_format import chat_kwargs, completion, kvmem_messages, new_meta
 from kvmem.server.errors import ApiError
 from kvmem.server.schemas import ChatRequest
-from kvmem.server.streaming import open_stream
+from kvmem.server.streaming import cancel_on_disconnect, open_stream
 from kvmem.server.tenants import CurrentTenant
 
 router = APIRouter()
@@ -55,10 +55,10 @@ async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentT
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await open_stream(rt, mem, messages, kwargs, meta=meta, include_usage=include_usage,
-                                 on_result=lambda r: observe(r, True),
-                                 request_id=request.state.request_id, release=release)
+                                 on_result=lambda r: observe(r, True), request_id=request.state.request_id,
+                                 release=release, receive=request.receive)
     cancel = threading.Event()
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, cancel))
+    watcher = asyncio.create_task(cancel_on_disconnect(request.receive, cancel))
     try:
         result = await rt.call(partial(mem.chat, messages, cancel=cancel, **kwargs))
     except RequestCancelled:
@@ -68,14 +68,6 @@ async def chat_completions(body: ChatRequest, request: Request, tenant: CurrentT
         rt.gate.leave()
     observe(result, False)
     return completion(meta, result, kwargs["max_tokens"], mem.token_texts)
-
-
-async def _cancel_on_disconnect(request: Request, cancel: threading.Event) -> None:
-    """Sets `cancel` when the client goes away, so the engine aborts the generation and frees
-    the chat's slot and KV blocks (the body is already read: the next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    cancel.set()
 
 
 @router.get("/v1/chats/{chat_id}/trace")

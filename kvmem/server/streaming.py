@@ -4,15 +4,18 @@ Uses `KVMem.chat_stream` (text deltas, then the ChatResult) when the KVMem has i
 delta with the whole answer. The first item is awaited before the response starts, so a bad
 request still gets its proper status; an error after that is sent as an SSE `error` event.
 The chat slot taken from the gate is released when the response ends, however it ends.
+Until the response starts, the server watches for the client going away itself (a forced tool
+call sends nothing before its whole reply); after that, the response's own listener does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterator
 
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from kvmem.errors import InvalidInputError, RequestCancelled
 from kvmem.engine.protocol import ChoiceDelta
@@ -49,18 +52,35 @@ class _SlotStream(StreamingResponse):
             await self._release()
 
 
-async def open_stream(rt, mem, messages, kwargs, *, meta, include_usage, on_result, request_id, release):
-    """The StreamingResponse; `release` (async) runs exactly once, when it is over (or failed to start)."""
+async def cancel_on_disconnect(receive, cancel: threading.Event) -> None:
+    """Sets `cancel` when the client goes away, so the engine aborts the generation and frees
+    the chat's slot and KV blocks (the body is already read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancel.set()
+
+
+async def open_stream(rt, mem, messages, kwargs, *, meta, include_usage, on_result, request_id, release, receive):
+    """The StreamingResponse (499 when the client left before it could start); `release` (async)
+    runs exactly once, when it is over (or failed to start)."""
     items = None
     cancel = threading.Event()
     kwargs = {**kwargs, "cancel": cancel}
+    # Stopped before the response starts: two readers of `receive` would steal each other's messages.
+    watcher = asyncio.create_task(cancel_on_disconnect(receive, cancel))
     try:
         items = await rt.call(_items, mem, messages, kwargs)
         first = await rt.call(next, items, _END)
+    except RequestCancelled:
+        await _close(rt, items)
+        await release()
+        return Response(status_code=499)  # nobody is left to read it
     except BaseException:
         await _close(rt, items)
         await release()
         raise
+    finally:
+        watcher.cancel()
 
     async def done() -> None:
         cancel.set()  # a client gone mid-stream: the engine aborts (after the end: nothing to abort)

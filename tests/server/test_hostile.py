@@ -124,3 +124,22 @@ def test_a_client_that_hangs_up_on_a_stream_is_aborted_in_the_engine(server, alp
         next(r.iter_lines())  # the stream has started
     wait_for(lambda: metric(alpha, "kvmem_requests_aborted_total") == before + 1, "the abort")
     wait_for(lambda: metric(alpha, "kvmem_inflight_chats") == 0, "the slot to be freed")
+
+
+def test_a_client_that_hangs_up_on_a_streamed_forced_tool_call_is_aborted_in_the_engine(server, alpha):
+    """A forced call sends nothing, not even the response's start, before its whole reply is read:
+    the server must notice the client leaving while it waits (it used to run to max_tokens)."""
+    before = metric(alpha, "kvmem_requests_aborted_total")
+    numbers = {"type": "object", "required": ["numbers"],
+               "properties": {"numbers": {"type": "array", "items": {"type": "integer"}, "minItems": 1500}}}
+    body = json.dumps({**CHAT, "max_tokens": 3000, "stream": True,
+                       "messages": [{"role": "user", "content": "List the numbers from 1 to 2000."}],
+                       "tools": [{"type": "function", "function": {"name": "record", "parameters": numbers}}],
+                       "tool_choice": {"type": "function", "function": {"name": "record"}}}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS['alpha']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + body)
+        wait_for(lambda: metric(alpha, "kvmem_inflight_chats") == 1, "the chat to start")
+    wait_for(lambda: metric(alpha, "kvmem_requests_aborted_total") == before + 1, "the abort", timeout=60)
+    wait_for(lambda: metric(alpha, "kvmem_inflight_chats") == 0, "the slot to be freed")
