@@ -53,6 +53,7 @@ class BlobInfo:
     tier: str | None  # "disk" (this machine's folder), "shared" (only in the shared tier), None: no blob
     bytes: int
     uses: int  # chats that injected it, as the disk budget counts them
+    codec: str = ""  # what the local blob was written with (kv/codec.py); "" when not on this machine
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,10 @@ class BlobKeeper:
         self.encoder = encoder
         self._lock = lock
         self.budget = self._new_budget()
+        self.budget.remember(facts.usage())  # the eviction order, and the uses blob() reports
         self.stats: Counter[str] = Counter()  # chats per mode, fallbacks, tier hits, evictions
         if encoder is not None:
             encoder.on_encoded = self.admit
-            self.budget.remember(facts.usage())
             self.check_at_start()
 
     def _new_budget(self) -> DiskBudget:
@@ -185,10 +186,10 @@ class BlobKeeper:
             self.encoder.kick()
 
     def blob(self, fact_id: str) -> BlobInfo:
-        uses = self.facts.usage().get(fact_id, 0)
+        uses = self.budget.hits(fact_id)
         size = _size(self.kv.path(fact_id))
         if size is not None:
-            return BlobInfo("disk", size, uses)
+            return BlobInfo("disk", size, uses, self.kv.codec(fact_id) or "")
         stamp = self.kv.stamp(fact_id)
         return BlobInfo("shared", int(stamp[1]), uses) if stamp is not None else BlobInfo(None, 0, uses)
 

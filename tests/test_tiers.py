@@ -88,3 +88,16 @@ def test_a_restart_with_a_smaller_quota_evicts_the_least_used_not_the_oldest(ope
     m.close()
     m = open_home(tenant_quota_mib=(sizes[1] + sizes[2]) / (1 << 20))
     assert [m.get(f).kv_status for f in ids] == ["encoded", "encoded", "evicted"]
+
+
+def test_a_blobs_uses_are_live_and_its_codec_is_its_own(open_home):
+    """What /ui shows of a fact's blob: the chats that injected it so far (not as of the last
+    close) and the codec it was written with (not the one configured since)."""
+    m = open_home()
+    (fact,) = m.add(facts=["Alice's kayak is red."], user_id="tier-uses").ids
+    for _ in range(2):
+        assert m.chat("What colour is my kayak?", user_id="tier-uses", fact_ids=[fact], max_tokens=2).fallbacks == 0
+    assert m.blob(fact).uses == 2 and m.blob(fact).codec == "none"
+    m.close()
+    m = open_home(codec="int8")
+    assert m.blob(fact).codec == "none" and m.blob(fact).uses == 2  # the saved count, read back

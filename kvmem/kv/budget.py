@@ -142,6 +142,11 @@ class DiskBudget:
             for fact_id, n in hits.items():
                 self._hits[fact_id] = self._hits.pop(fact_id, 0) + n
 
+    def hits(self, fact_id: str) -> int:
+        """Chats that injected the fact: live, with the counts earlier runs saved."""
+        with self._lock:
+            return self._hits.get(fact_id, 0)
+
     def changed_hits(self) -> dict[str, int]:
         """The counts that changed since the last call (for saving them)."""
         with self._lock:

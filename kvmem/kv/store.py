@@ -259,16 +259,31 @@ class KVStore:
         if self._tier is not None and not self.path(fact_id).exists():
             return self._tier.stamp(fact_id) is not None
         try:
-            with self.path(fact_id).open("rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                n = int.from_bytes(f.read(8), "little")
-                if size < 8 or n > min(size - 8, _MAX_HEADER):
-                    return False
-                header = json.loads(f.read(n))
-            check_header(header, size - 8 - n, fact_id, self.fingerprint)
+            header, body_size = self._header(fact_id)
+            check_header(header, body_size, fact_id, self.fingerprint)
             return True
         except (OSError, ValueError, AttributeError, BlobError):
             return False
+
+    def codec(self, fact_id: str) -> str | None:
+        """The codec the local blob was written with, from its header (tensors not read); None
+        without a local file or with an unreadable header."""
+        try:
+            header, _ = self._header(fact_id)
+            codec = (header.get("__metadata__") or {}).get("codec", "none")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return codec if isinstance(codec, str) else None
+
+    def _header(self, fact_id: str) -> tuple[dict, int]:
+        """The local file's parsed safetensors header and the size of the data after it;
+        ValueError when the file cannot hold one."""
+        with self.path(fact_id).open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > min(size - 8, _MAX_HEADER):
+                raise ValueError(f"{fact_id}: no blob header")
+            return json.loads(f.read(n)), size - 8 - n
 
     def delete(self, fact_id: str) -> bool:
         """Removes the blob from every tier; with a shared tier, from every process's folder too

@@ -172,13 +172,12 @@ async def scope(request: Request) -> HTMLResponse:
     offset = int(q["offset"]) if q.get("offset", "").isascii() and q.get("offset", "").isdigit() else 0
     records = await v.rt.call(v.mem.get_all, **sc, limit=PAGE + 1, offset=offset)
     last = _last_injected(v.mem.recent_chats(sc["user_id"]))
-    codec = v.mem.config.kv.codec
     facts = []
     for r in records[:PAGE]:
         blob = await v.rt.call(v.mem.blob, r.id)
         facts.append({"id": r.id, "text": r.text, "origin": r.origin, "metadata": json.dumps(r.metadata, ensure_ascii=False) if r.metadata else "",
                       "created": when(r.created_at), "kv_status": r.kv_status, "tier": blob.tier, "bytes": blob.bytes,
-                      "codec": codec if blob.tier else "", "uses": blob.uses, "last_injected": when(last.get(r.id))})
+                      "codec": blob.codec, "uses": blob.uses, "last_injected": when(last.get(r.id))})
     user, agent, run = q.get("user"), q.get("agent"), q.get("run")
     hits = await _hits(v, q.get("q", "").strip(), sc)
     total = await v.rt.call(lambda: v.mem.count(**sc))
@@ -239,7 +238,7 @@ async def fact(fact_id: str, request: Request) -> HTMLResponse:
             ("origin", r.origin), ("context", r.context), ("metadata", json.dumps(r.metadata, ensure_ascii=False) if r.metadata else ""), ("source", r.source),
             ("event time", r.event_time or ""), ("created", when(r.created_at)), ("updated", when(r.updated_at)),
             ("expires", when(r.expires_at)), ("KV status", r.kv_status), ("KV tier", blob.tier or "none"),
-            ("KV bytes", f"{blob.bytes:,}"), ("codec", v.mem.config.kv.codec if blob.tier else ""),
+            ("KV bytes", f"{blob.bytes:,}"), ("codec", blob.codec),
             ("uses", blob.uses)]
     history = [{"when": when(e.at), "event": e.event, "old": e.old_text, "new": e.new_text}
                for e in await v.rt.call(v.mem.history, fact_id)]

@@ -186,3 +186,12 @@ def test_header_check_finds_empty_truncated_swapped_and_foreign_files(tmp_path):
     KVStore(tmp_path, "b" * 64).put(make_blob("other", fp="b" * 64))  # another model's blob
     store.path("other").write_bytes(KVStore(tmp_path, "b" * 64).path("other").read_bytes())
     assert [f for f in ["ok", "empty", "short", "swapped", "other", "never"] if store.intact(f)] == ["ok"]
+
+
+def test_a_blobs_codec_is_read_from_its_own_header(tmp_path):
+    """What a fact's page shows: the codec its blob was written with, whatever is configured now."""
+    store = KVStore(tmp_path, FP)
+    store.put(make_blob("plain"))
+    store.put(make_blob("coded", codec="int8"))
+    store.path("empty").write_bytes(b"")
+    assert [store.codec(f) for f in ("plain", "coded", "empty", "never")] == ["none", "int8", None, None]

@@ -128,3 +128,12 @@ def test_the_eviction_order_stays_bounded_however_often_blobs_are_used():
     unlimited.admit("a", "u", 100)
     unlimited.touch(["a"] * 5_000)
     assert unlimited._all.items == []  # nothing to order when nothing is ever evicted
+
+
+def test_hits_count_live_uses_on_top_of_the_saved_ones():
+    budget = DiskBudget()
+    budget.remember({"a": 2})
+    budget.touch(["a", "b", "a"])
+    assert [budget.hits(f) for f in "abc"] == [4, 1, 0]
+    budget.forget("a")
+    assert budget.hits("a") == 0
