@@ -32,6 +32,17 @@ class AddResult:
     created: int
     duplicates: int
     encode: EncodeReport | None  # None when encoding was left to the background
+    new_ids: tuple[str, ...] = ()  # of `ids`, those this call stored
+
+    def events(self, repeat: str = "NONE") -> list[tuple[str, str]]:
+        """(id, event) per id of the call, in order, as Mem0 reports an add: "ADD" for the first
+        mention of a fact this call stored, `repeat` for the rest (Mem0's NONE; kvmem's own
+        route says NOOP)."""
+        new, out = set(self.new_ids), []
+        for fact_id in self.ids:
+            out.append((fact_id, "ADD" if fact_id in new else repeat))
+            new.discard(fact_id)
+        return out
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ class Writes:
             for r in new:
                 self.retrieval.index(r, r.embedding)
         report = self.keeper.encode(new, encode)
-        return AddResult(tuple(r.id for r, _ in pairs), len(new), len(pairs) - len(new), report)
+        return AddResult(tuple(r.id for r, _ in pairs), len(new), len(pairs) - len(new), report,
+                         new_ids=tuple(r.id for r in new))
 
     def remember(self, messages: list[dict], reply: str, scope: Scope, store: str) -> tuple[str, ...]:
         """A chat's write-back: its last user turn ("user"), and the reply too ("both"), stored as

@@ -79,13 +79,9 @@ class Inferrer:
                  expiration_date) -> InferResult:
         """The messages stored as add(infer=False) stores them, reported in Mem0's terms: ADD for
         a turn stored now, NONE for one the scope already held."""
-        import time
-
-        start = time.time()
         added = self.writes.add(messages, scope, facts=None, metadata=metadata, context="", window=window,
                                 encode=encode, timestamp=None, origin="", expiration_date=expiration_date)
-        records = [self.facts.get(i) for i in added.ids]
-        results = tuple(Changed(r.id, r.text, "ADD" if r.created_at >= start else "NONE") for r in records)
+        results = tuple(Changed(i, self.facts.get(i).text, event) for i, event in added.events("NONE"))
         return InferResult(results, added.encode, stored_as_turns=True)
 
     def apply(self, new: list[str], messages: list[dict], scope: Scope, *, reconcile: bool = True,

@@ -17,7 +17,6 @@ does; omitted or false (kvmem's default, unlike the platform's), messages are st
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timezone
 from functools import partial
 from typing import Any
@@ -157,20 +156,15 @@ async def add(request: Request, tenant: CurrentTenant, body: Any = Body(...)) ->
         raise _bad("metadata must be a JSON object", "metadata")
     scope, _ = _scope(body, tenant)
     rt, mem = _runtime(request)
-    started = time.time()
     add = partial(mem.add, _messages(body.get("messages"), body.get("timestamp")), **scope, metadata=metadata,
                   encode="background", expiration_date=body.get("expiration_date"))
     if infer:
         out = await add_inferred(rt, mem, tenant, add)
         return {**out, "results": [{**r, "data": {"memory": r["memory"]}} for r in out["results"]]}
     result = await rt.call(add)
-    results, seen = [], set()
-    for r in await rt.call(views.records, mem, result.ids):
-        # Mem0 says NONE where a turn was already stored (kvmem's NOOP).
-        event = "ADD" if r.id not in seen and r.created_at >= started else "NONE"
-        seen.add(r.id)
-        results.append({**views.memory(r, tenant, event=event), "data": {"memory": r.text}})
-    return {"results": results}
+    records = {r.id: r for r in await rt.call(views.records, mem, result.ids)}
+    return {"results": [{**views.memory(records[i], tenant, event=event), "data": {"memory": records[i].text}}
+                        for i, event in result.events("NONE") if i in records]}
 
 
 def _page_url(request: Request, page: int, page_size: int) -> str:

@@ -9,7 +9,6 @@ nothing stored when the extraction LLM is unreachable.
 from __future__ import annotations
 
 import json
-import time
 from functools import partial
 
 from fastapi import APIRouter, Query, Request
@@ -51,7 +50,6 @@ async def add_memories(body: AddMemoriesBody, request: Request, tenant: CurrentT
     messages = body.messages
     if isinstance(messages, list):
         messages = [m.model_dump(exclude_none=True) for m in messages]
-    started = time.time()
     add = partial(mem.add, messages, facts=body.facts, user_id=tenant.user_id(body.user_id),
                   agent_id=body.agent_id, run_id=body.run_id, metadata=body.metadata, window=body.window,
                   encode=body.encode, timestamp=body.timestamp, origin=body.origin,
@@ -59,11 +57,8 @@ async def add_memories(body: AddMemoriesBody, request: Request, tenant: CurrentT
     if body.infer:
         return await add_inferred(rt, mem, tenant, add)
     result = await rt.call(add)
-    records, seen, results = await rt.call(views.records, mem, result.ids), set(), []
-    for r in records:
-        event = "ADD" if r.id not in seen and r.created_at >= started else "NOOP"
-        seen.add(r.id)
-        results.append(views.memory(r, tenant, event=event))
+    records = {r.id: r for r in await rt.call(views.records, mem, result.ids)}  # one deleted meanwhile is left out
+    results = [views.memory(records[i], tenant, event=event) for i, event in result.events("NOOP") if i in records]
     return {"results": results, "created": result.created, "duplicates": result.duplicates}
 
 
