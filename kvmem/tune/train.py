@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from kvmem.reader import kvmap, lora
-from kvmem.tune.lab import Example, FactKV, check_rotary, memory_cache, reply_logits, rotary_dim, teacher_reply
+from kvmem.tune.lab import Example, FactKV, check_rotary, memory_cache, reply_logits, teacher_reply
 from kvmem.tune.measure import kl_per_token
 from kvmem.tune.split import TUNE_CONVERSATIONS  # noqa: F401 - part of train's API (never the reported ones)
 
@@ -108,7 +108,7 @@ def tune(model, examples: list[Example], eos: set[int], out: Path, cfg: TuneConf
     """Train the adapter on `examples` and save it to `out` (PEFT layout + kvmem.json)."""
     if not examples:
         raise ValueError("no training examples")
-    check_rotary(model)
+    rotary = check_rotary(model)
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     for p in model.parameters():  # the base model stays frozen (attach freezes it too)
@@ -117,7 +117,7 @@ def tune(model, examples: list[Example], eos: set[int], out: Path, cfg: TuneConf
     work = _work_dir(out, examples, cfg)
     targets = teacher_targets(model, wrapped, examples, eos, cfg.reply_tokens, work, progress)
     params = [p for _, m in wrapped for p in (m.lora_A, m.lora_B)]
-    kv = _trainable_map(model) if cfg.kv_map else None
+    kv = _trainable_map(model, rotary) if cfg.kv_map else None
     groups = ([{"params": params, "lr": cfg.lr}] if params else []) + \
         ([{"params": list(kv.tensors()), "lr": cfg.map_lr}] if kv else [])
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
@@ -192,12 +192,13 @@ def reply_loss(kl: torch.Tensor, first_weight: float = 1.0) -> torch.Tensor:
     return (kl * weights).sum() / weights.sum()
 
 
-def _trainable_map(model) -> kvmap.KVMap:
-    """A KV map for this model that changes nothing yet, its tensors trainable."""
+def _trainable_map(model, rotary: int) -> kvmap.KVMap:
+    """A KV map for this model (rotating `rotary` dims of each head) that changes nothing yet,
+    its tensors trainable."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return kvmap.KVMap.identity(c.num_hidden_layers, c.num_key_value_heads, head_dim, requires_grad=True,
-                                rotary_dim=rotary_dim(model))
+                                rotary_dim=rotary)
 
 
 def _step(model, wrapped, opt, ex: Example, target, facts: FactKV, first_weight: float = 1.0,
