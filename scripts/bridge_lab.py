@@ -6,7 +6,7 @@ text prefill on the reporting conversations, which no tuning saw: first-token an
 top-1 and tie-aware first-token agreement (measure.compare, tie_aware), paired per chat with a
 bootstrap interval on the difference.
 
-    python scripts/bridge_lab.py --home /tmp/rc-home --tokens 16 --out docs/results/bridge-lab.json
+    python scripts/bridge_lab.py --home /tmp/rc-home --tokens 4,16,64 --out docs/results/bridge-lab.json
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--home", type=Path, required=True)
     ap.add_argument("--data", type=Path, default=Path("../shared/data/locomo/locomo_dev.json"))
-    ap.add_argument("--tokens", type=int, default=16, help="bridge tokens B")
+    ap.add_argument("--tokens", default="16", help="bridge tokens B, comma-separated: one bridge trained per value")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--first-weight", type=float, default=2.0)
@@ -55,7 +53,8 @@ def main() -> None:
     ap.add_argument("--map", choices=("on", "off"), default="on")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    cfg = bridge.BridgeConfig(tokens=args.tokens, lr=args.lr, epochs=args.epochs, first_weight=args.first_weight)
+    configs = [bridge.BridgeConfig(tokens=int(b), lr=args.lr, epochs=args.epochs, first_weight=args.first_weight)
+               for b in args.tokens.split(",")]
     with KVMem(Config(home=args.home), start_engine=False, background=False) as mem:
         train = [ex for _, ex in locomo_examples(mem, args.data, TUNE_CONVERSATIONS, k=10, limit=args.limit or None)]
         held = [ex for _, ex in locomo_examples(mem, args.data, REPORT_CONVERSATIONS, k=10, limit=args.eval_limit)]
@@ -67,27 +66,34 @@ def main() -> None:
     work = args.out.with_suffix(".work")
     work.mkdir(parents=True, exist_ok=True)
     targets = teacher_targets(model, [], train, eos, 16, work)
-    init = bridge.initial(model, tok.encode("\n", add_special_tokens=False)[-1], cfg.tokens, cfg.seed)
-    learned, losses = bridge.train(model, train, targets, memory, init, cfg)
-    trained_s = time.perf_counter() - started
-    rows = bridge.evaluate(model, held, eos, memory, {"kv+bridge (initial)": init, "kv+bridge": learned})
-    torch.save(learned, args.out.with_suffix(".pt"))
-    tenth = max(1, len(losses) // 10)
-    result = {"command": "python " + " ".join(sys.argv), "model": info.path.name, "config": cfg.__dict__,
+    newline = tok.encode("\n", add_special_tokens=False)[-1]
+    bridges, training = {}, {}
+    for cfg in configs:
+        t0 = time.perf_counter()
+        init = bridge.initial(model, newline, cfg.tokens, cfg.seed)
+        learned, losses = bridge.train(model, train, targets, memory, init, cfg)
+        tenth = max(1, len(losses) // 10)
+        training[cfg.tokens] = {"seconds": round(time.perf_counter() - t0, 1), "loss_first_tenth": statistics.fmean(losses[:tenth]),
+                                "loss_last_tenth": statistics.fmean(losses[-tenth:])}
+        bridges[f"kv+bridge-{cfg.tokens} (initial)"] = init
+        bridges[f"kv+bridge-{cfg.tokens}"] = learned
+    rows = bridge.evaluate(model, held, eos, memory, bridges)
+    keys = ("first_kl", "first_agree", "first_agree_tie_aware", "reply_kl")
+    result = {"command": "python " + " ".join(sys.argv), "model": info.path.name,
+              "config": {k: v for k, v in configs[0].__dict__.items() if k != "tokens"},
               "kv_map": args.map, "train_conversations": list(TUNE_CONVERSATIONS), "train_chats": len(train),
               "eval_conversations": list(REPORT_CONVERSATIONS), "eval_chats": len(held),
-              "train_seconds": round(trained_s, 1), "loss_first_tenth": statistics.fmean(losses[:tenth]),
-              "loss_last_tenth": statistics.fmean(losses[-tenth:]),
+              "seconds": round(time.perf_counter() - started, 1), "training": training,
               "rows": {name: summarize(r) for name, r in rows.items()},
-              "paired_bridge_minus_kv": {key: paired([r[key] for r in rows["kv"]], [r[key] for r in rows["kv+bridge"]])
-                                         for key in ("first_kl", "first_agree", "first_agree_tie_aware", "reply_kl")}}
+              "paired_minus_kv": {name: {key: paired([r[key] for r in rows["kv"]], [r[key] for r in rs]) for key in keys}
+                                  for name, rs in rows.items() if name != "kv"}}
     args.out.write_text(json.dumps(result, indent=1))
     for f in work.iterdir():
         f.unlink()
     work.rmdir()
     for name, row in result["rows"].items():
         print(f"{name:22s} " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()))
-    print(json.dumps(result["paired_bridge_minus_kv"], indent=1))
+    print(json.dumps(result["paired_minus_kv"], indent=1))
 
 
 if __name__ == "__main__":
