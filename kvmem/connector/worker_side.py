@@ -136,7 +136,7 @@ class WorkerSide:
         with self._stream:
             slots = staged.slots.to(dev, non_blocking=True)
             moves = staged.moves_to(dev)
-            mapped = None if staged.mapped is None else staged.mapped.to(dev, non_blocking=True)
+            mapped = None if staged.mapped is None else _rows(staged.mapped, dev)
             for i, (name, cache) in enumerate(self._caches):
                 key = self._layer_keys(i, staged, moves, cache.dtype)  # [N, H, D]
                 value = _decode_layer(staged.value_codec, staged.value, i, dev, cache.dtype)
@@ -205,17 +205,19 @@ class WorkerSide:
                                    f"{self.head_size}; this model has rotary_dim {rot.rotary_dim}, neox "
                                    f"{rot.is_neox_style}")
 
-    def _mapped(self, i: int, key: torch.Tensor, value: torch.Tensor, mapped: torch.Tensor):
-        """Layer i's key, value [N, H, D] through the reader's KV map where mapped [N] is True,
-        in float32. Out of place: key and value may be the staging buffer itself."""
+    def _mapped(self, i: int, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | slice):
+        """Layer i's key, value [N, H, D] with `rows` (an index [M], or every row) through the
+        reader's KV map, in float32. Out of place: key and value may be the staging buffer itself."""
         m = self._kv_map
-        where = mapped.view(-1, 1, 1)  # [N, 1, 1]
-        k = key.to(torch.float32)
         a, b = (t[i] for t in self._key_factors)  # [H, D]
-        k = torch.where(where, a * k + b * pair_swap(k, m.rotary_dim), k)
-        v = value.to(torch.float32)
-        v = torch.where(where, m.value_scale[i] * v + m.value_shift[i], v)
-        return k.to(key.dtype), v.to(value.dtype)
+        k = key[rows].to(torch.float32)  # [M, H, D], only read: it may be the staging buffer
+        k = k * a + pair_swap(k, m.rotary_dim).mul_(b)  # pair_swap's result is a new tensor
+        v = value[rows].to(torch.float32, copy=True).mul_(m.value_scale[i]).add_(m.value_shift[i])
+        if isinstance(rows, slice):
+            return k.to(key.dtype), v.to(value.dtype)
+        key, value = key.clone(), value.clone()
+        key[rows], value[rows] = k.to(key.dtype), v.to(value.dtype)
+        return key, value
 
     def _stage(self, jobs: list[LoadJob]) -> "_Staged":
         """Blob tokens of all spans, one after another, in the host staging buffer, as stored."""
@@ -393,6 +395,15 @@ def _token_map(jobs: list[LoadJob] | list[SaveJob], block_size: int) -> tuple[to
         positions.append(p)
         slots.append(slot_mapping(job.block_ids, p, block_size))
     return torch.cat(positions), torch.cat(slots)
+
+
+def _rows(mapped: torch.Tensor, device: torch.device) -> torch.Tensor | slice:
+    """The staged rows the KV map applies to: all of them (a slice: no gather) in the usual step,
+    where the prompt's head is a prefix-cache hit and only facts are loaded; else their index [M]
+    on the device. Decided on the host, once per step."""
+    if bool(mapped.all()):
+        return slice(None)
+    return mapped.nonzero().squeeze(1).to(device, non_blocking=True)
 
 
 def _mapped_tokens(jobs: list[LoadJob], positions: torch.Tensor) -> torch.Tensor | None:
