@@ -162,9 +162,8 @@ async def add(request: Request, tenant: CurrentTenant, body: Any = Body(...)) ->
         out = await add_inferred(rt, mem, tenant, add)
         return {**out, "results": [{**r, "data": {"memory": r["memory"]}} for r in out["results"]]}
     result = await rt.call(add)
-    records = {r.id: r for r in await rt.call(views.records, mem, result.ids)}
-    return {"results": [{**views.memory(records[i], tenant, event=event), "data": {"memory": records[i].text}}
-                        for i, event in result.events("NONE") if i in records]}
+    added = await rt.call(views.added, mem, result, tenant, "NONE")
+    return {"results": [{**m, "data": {"memory": m["memory"]}} for m in added]}
 
 
 def _page_url(request: Request, page: int, page_size: int) -> str:

@@ -57,8 +57,7 @@ async def add_memories(body: AddMemoriesBody, request: Request, tenant: CurrentT
     if body.infer:
         return await add_inferred(rt, mem, tenant, add)
     result = await rt.call(add)
-    records = {r.id: r for r in await rt.call(views.records, mem, result.ids)}  # one deleted meanwhile is left out
-    results = [views.memory(records[i], tenant, event=event) for i, event in result.events("NOOP") if i in records]
+    results = await rt.call(views.added, mem, result, tenant, "NOOP")
     return {"results": results, "created": result.created, "duplicates": result.duplicates}
 
 

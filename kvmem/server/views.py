@@ -47,6 +47,13 @@ def records(mem, ids) -> list:
     return out
 
 
+def added(mem, result, tenant: Tenant, repeat: str) -> list[dict]:
+    """An add's facts still stored, each as `memory` with its event (AddResult.events: "ADD" or
+    `repeat`, which is Mem0's NONE or kvmem's NOOP)."""
+    stored = {r.id: r for r in records(mem, result.ids)}
+    return [memory(stored[i], tenant, event=event) for i, event in result.events(repeat) if i in stored]
+
+
 def owner(mem, fact_id: str, events) -> str | None:
     """The fact's stored user id; for a deleted fact, only if its history events carry it."""
     try:
