@@ -71,13 +71,11 @@ async def open_stream(rt, mem, messages, kwargs, *, meta, include_usage, on_resu
     try:
         items = await rt.call(_items, mem, messages, kwargs)
         first = await rt.call(next, items, _END)
-    except RequestCancelled:
+    except BaseException as e:
         await _close(rt, items)
         await release()
-        return Response(status_code=499)  # nobody is left to read it
-    except BaseException:
-        await _close(rt, items)
-        await release()
+        if isinstance(e, RequestCancelled):
+            return Response(status_code=499)  # the client left before the response started
         raise
     finally:
         watcher.cancel()
