@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvmem.bench.metrics import bootstrap_ci  # noqa: E402
 from kvmem.config import Config  # noqa: E402
 from kvmem.reader import adapters, kvmap  # noqa: E402
 from kvmem.service import KVMem  # noqa: E402
@@ -32,12 +32,10 @@ from kvmem.tune.split import TUNE_CONVERSATIONS  # noqa: E402
 from kvmem.tune.train import eos_ids, load_model, teacher_targets  # noqa: E402
 
 
-def paired(a: list[float], b: list[float], n: int = 2000, seed: int = 0) -> dict[str, float]:
+def paired(a: list[float], b: list[float]) -> dict[str, float]:
     """Mean of b - a per chat and its 95% bootstrap interval."""
-    d = [y - x for x, y in zip(a, b)]
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(d, k=len(d))) for _ in range(n))
-    return {"mean": statistics.fmean(d), "lo": means[int(0.025 * n)], "hi": means[int(0.975 * n) - 1]}
+    mean, lo, hi = bootstrap_ci([y - x for x, y in zip(a, b)], iters=2000)
+    return {"mean": mean, "lo": lo, "hi": hi}
 
 
 def main() -> None:
@@ -73,7 +71,8 @@ def main() -> None:
         init = bridge.initial(model, newline, cfg.tokens, cfg.seed)
         learned, losses = bridge.train(model, train, targets, memory, init, cfg)
         tenth = max(1, len(losses) // 10)
-        training[cfg.tokens] = {"seconds": round(time.perf_counter() - t0, 1), "loss_first_tenth": statistics.fmean(losses[:tenth]),
+        training[cfg.tokens] = {"seconds": round(time.perf_counter() - t0, 1),
+                                "loss_first_tenth": statistics.fmean(losses[:tenth]),
                                 "loss_last_tenth": statistics.fmean(losses[-tenth:])}
         bridges[f"kv+bridge-{cfg.tokens} (initial)"] = init
         bridges[f"kv+bridge-{cfg.tokens}"] = learned

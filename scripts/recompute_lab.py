@@ -35,9 +35,9 @@ from kvmem.tune.blend import blend, flops_fraction, text_cache  # noqa: E402
 from kvmem.tune.examples import from_records  # noqa: E402
 from kvmem.tune.lab import FactKV, memory_cache, reply_logits, teacher_reply  # noqa: E402
 from kvmem.tune.measure import compare, tie_aware  # noqa: E402
+from kvmem.tune.split import TUNE_CONVERSATIONS as TUNE  # noqa: E402
 from kvmem.tune.train import eos_ids, load_model  # noqa: E402
 
-TUNE = ("conv-26", "conv-30", "conv-41")
 RULES = ("deviation", "first", "last", "oracle", "best-last")
 
 

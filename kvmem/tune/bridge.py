@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from kvmem.reader import kvmap
 from kvmem.tune.lab import Example, FactKV, as_cache, memory_cache, reply_logits, teacher_reply
-from kvmem.tune.measure import compare, kl_per_token
+from kvmem.tune.measure import compare, kl_per_token, tie_aware
 from kvmem.tune.train import reply_loss
 
 
@@ -105,8 +105,6 @@ def evaluate(model, examples: list[Example], eos: set[int], memory: Memory, brid
     """KV mode as `memory` serves it, plain ("kv") and with each named bridge, against text prefill:
     per chat, measure.compare's row plus tie-aware first-token agreement (measure.summarize
     averages them)."""
-    from kvmem.tune.measure import tie_aware
-
     rows: dict[str, list] = {"kv": [], **{name: [] for name in bridges}}
     for ex in tqdm(examples, desc="measuring bridges", unit="chat", disable=not progress):
         reply, teacher = teacher_reply(model, ex, reply_tokens, eos)
