@@ -30,7 +30,7 @@ class KeyRotator:
         self._inverse = torch.cat((cos / norm, -sin / norm), dim=-1)
         self._on_device: dict[tuple[bool, torch.device], torch.Tensor] = {}
         self._forward_static = getattr(type(rope), "forward_static", None)
-        self._kernel = _rotary_kernel() if use_kernel else None
+        self._kernel = rotary_kernel() if use_kernel else None
         if self._kernel is None and self._forward_static is None:
             raise NotImplementedError(f"{type(rope).__name__} needs vLLM's rotary kernel, missing from this build")
         self.head_size = rope.head_size
@@ -74,14 +74,22 @@ class KeyRotator:
     def move(self, key: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """key [L, T, H, D] contiguous float32, rotated to positions src [T] (-1: not rotated,
         a pre-RoPE key) -> rotated to positions dst [T], in place. Host or device positions."""
-        src = src.to(key.device, torch.long)
-        dst = dst.to(key.device, torch.long)
-        fwd_cos, fwd_sin = self._table(False, key.device)[dst].chunk(2, dim=-1)  # [T, rot/2] each
-        inv_cos, inv_sin = self._table(True, key.device)[src.clamp_min(0)].chunk(2, dim=-1)
+        return self.apply_rows(key, self.move_rows(src, dst, key.device))
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The rows [T, rot_dim] of R(dst) R(src)^-1 per token, on `device`: what `apply_rows`
+        needs to move keys cached at src [T] (-1: pre-RoPE) to dst [T]. Layers share them."""
+        src = src.to(device, torch.long)
+        dst = dst.to(device, torch.long)
+        fwd_cos, fwd_sin = self._table(False, device)[dst].chunk(2, dim=-1)  # [T, rot/2] each
+        inv_cos, inv_sin = self._table(True, device)[src.clamp_min(0)].chunk(2, dim=-1)
         unrotated = (src < 0)[:, None]
         inv_cos = inv_cos.masked_fill(unrotated, 1.0)  # a pre-RoPE key: R(p)^-1 is the identity
         inv_sin = inv_sin.masked_fill(unrotated, 0.0)
-        rows = torch.cat((fwd_cos * inv_cos - fwd_sin * inv_sin, fwd_cos * inv_sin + fwd_sin * inv_cos), dim=-1)
+        return torch.cat((fwd_cos * inv_cos - fwd_sin * inv_sin, fwd_cos * inv_sin + fwd_sin * inv_cos), dim=-1)
+
+    def apply_rows(self, key: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """key [L, T, H, D] contiguous float32, token t rotated by rows[t] (move_rows), in place."""
         return self._apply(key, torch.arange(len(rows), device=key.device), table=rows, inplace=True)
 
     def check_positions(self, positions: torch.Tensor) -> None:
@@ -158,11 +166,6 @@ class LayerRotators:
         """key [1, T, H, D] contiguous float32 of one layer, rotated in place."""
         return self.per_layer[layer].rotate(key, positions, inplace=True)
 
-    def move_layer(self, layer: int, key: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        """key [1, T, H, D] contiguous float32 of one layer, cached at src [T] (-1: pre-RoPE),
-        moved to dst [T] in place."""
-        return self.per_layer[layer].move(key, src, dst)
-
     def check_positions(self, positions: torch.Tensor) -> None:
         for rot, _ in self._groups:
             rot.check_positions(positions)
@@ -181,7 +184,7 @@ class LayerRotators:
         return out
 
 
-def _rotary_kernel():
+def rotary_kernel():
     """vLLM's fused in-place rotary kernel (CPU and CUDA builds), ~50x faster than the torch ops."""
     try:
         from vllm import _custom_ops as ops

@@ -29,6 +29,7 @@ import torch
 
 from kvmem.connector.blob_writer import BlobWriter, SaveBatch
 from kvmem.connector.paged import PageLayout, slot_mapping
+from kvmem.connector.placement import KeyMap, Placement
 from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob
 from kvmem.connector.recompute import Recomputer, Rows
 from kvmem.connector.rope import KeyRotator, LayerRotators
@@ -37,7 +38,7 @@ from kvmem.errors import AdapterError, BlobError
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.codec import Coded, check_codec, decode_parts, role_codecs
 from kvmem.kv.store import KVStore
-from kvmem.reader.kvmap import KVMap, pair_swap
+from kvmem.reader.kvmap import KVMap
 
 log = logging.getLogger("kvmem.connector")
 
@@ -64,8 +65,8 @@ class WorkerSide:
         self._writer = BlobWriter(store, self.codec)
         self.failed_block_ids: set[int] = set()
         self.tier_counts = {"ram_hits": 0, "disk_loads": 0}  # this worker's blob loads since last reported
-        self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py); on the device once registered
-        self._key_factors: tuple[torch.Tensor, torch.Tensor] | None = None  # its key a, b per dim [L, H, D]
+        self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py), as the adapter gave it
+        self._key_map: KeyMap | None = None  # the same, on the device, once registered and checked
         self.map_refusal: str | None = None  # why the KV map was dropped at registration, if it was
         # The model's layers, for selective recompute; else why recompute cannot drive this model.
         self._recomputer = recompute if isinstance(recompute, Recomputer) else None
@@ -86,9 +87,7 @@ class WorkerSide:
         if self.recompute_refusal:
             log.info("selective recompute unavailable for this model (plain injection): %s", self.recompute_refusal)
         if self._kv_map is not None and self._map_fits():
-            self._kv_map = self._kv_map.to(self.device, torch.float32)
-            # One factor per rotary pair, spread to both of its dims once: [L, H, D] each.
-            self._key_factors = self._kv_map.key_factors()
+            self._key_map = KeyMap.on(self._kv_map, self.device)
 
     def _layer_rotators(self) -> LayerRotators:
         if isinstance(self._rotator_of, KeyRotator):
@@ -132,24 +131,26 @@ class WorkerSide:
 
     def _load(self, jobs: list[LoadJob]) -> None:
         staged = self._stage(jobs)
-        dev = self.device
         with self._stream:
-            slots = staged.slots.to(dev, non_blocking=True)
-            moves = staged.moves_to(dev)
-            mapped = None if staged.mapped is None else _rows(staged.mapped, dev)
-            for i, (name, cache) in enumerate(self._caches):
-                key = self._layer_keys(i, staged, moves, cache.dtype)  # [N, H, D]
-                value = _decode_layer(staged.value_codec, staged.value, i, dev, cache.dtype)
-                if mapped is not None:
-                    key, value = self._mapped(i, key, value, mapped)
-                layer = self._layers[name]
-                layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
-                self._layer_events[name] = self._stream.record()
+            self._place(staged)
             if self._recomputer is not None and any(j.recompute is not None and j.recompute.on for j in jobs):
                 self._recompute(jobs, staged)
                 done = self._stream.record()  # every layer's slots are final only now
                 self._layer_events = dict.fromkeys(self._layer_events, done)
         self._staging.release(self._stream.record())
+
+    def _place(self, staged: "_Staged") -> None:
+        """Write the staged K/V into the paged cache, layer by layer, each where it is served."""
+        dev = self.device
+        slots = staged.slots.to(dev, non_blocking=True)
+        place = Placement.of(staged.src, staged.dst, staged.mapped, self.rotator, self._key_map, dev)
+        for i, (name, cache) in enumerate(self._caches):
+            key = _decode_layer(staged.key_codec, staged.key, i, dev)  # [N, H, D]
+            value = _decode_layer(staged.value_codec, staged.value, i, dev)
+            key, value = place.layer(i, key, value, cache.dtype)
+            layer = self._layers[name]
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+            self._layer_events[name] = self._stream.record()
 
     def _recompute(self, jobs: list[LoadJob], staged: "_Staged") -> None:
         """Recompute the chosen fact tokens of the jobs that ask, one group per setting."""
@@ -165,22 +166,6 @@ class WorkerSide:
             rows = Rows.of_jobs(members, rec, staged.token_ids, staged.dst, staged.slots, self.block_size, self.device)
             if rows is not None:
                 self._recomputer.run(rows, caches, self._page_layout())
-
-    def _layer_keys(self, i: int, staged: "_Staged", moves, dtype: torch.dtype) -> torch.Tensor:
-        """Layer i's keys [N, H, D] on the device, decoded and moved to their serving positions."""
-        key = _decode_layer(staged.key_codec, staged.key, i, self.device, None)
-        if moves is None:  # every token is served where it was encoded: bit for bit
-            return key.to(dtype)
-        index, src, dst = moves
-        moving = (key if index is None else key[index]).to(torch.float32)  # [M, H, D], a copy unless fp32
-        if moving.data_ptr() == key.data_ptr():
-            moving = moving.clone()  # never rotate the staging buffer in place: it may be pinned and busy
-        self.rotator.move_layer(i, moving[None], src, dst)
-        if index is None:
-            return moving.to(dtype)
-        key = key.to(dtype, copy=True)
-        key[index] = moving.to(dtype)
-        return key
 
     def _map_fits(self) -> bool:
         """Keep the reader's KV map only if it fits this model; else drop it (plain KV mode, the
@@ -204,20 +189,6 @@ class WorkerSide:
                 raise AdapterError(f"the reader's KV map pairs neox-style rotary dims over {rotary_dim} of "
                                    f"{self.head_size}; this model has rotary_dim {rot.rotary_dim}, neox "
                                    f"{rot.is_neox_style}")
-
-    def _mapped(self, i: int, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | slice):
-        """Layer i's key, value [N, H, D] with `rows` (an index [M], or every row) through the
-        reader's KV map, in float32. Out of place: key and value may be the staging buffer itself."""
-        m = self._kv_map
-        a, b = (t[i] for t in self._key_factors)  # [H, D]
-        k = key[rows].to(torch.float32)  # [M, H, D], only read: it may be the staging buffer
-        k = k * a + pair_swap(k, m.rotary_dim).mul_(b)  # pair_swap's result is a new tensor
-        v = value[rows].to(torch.float32, copy=True).mul_(m.value_scale[i]).add_(m.value_shift[i])
-        if isinstance(rows, slice):
-            return k.to(key.dtype), v.to(value.dtype)
-        key, value = key.clone(), value.clone()
-        key[rows], value[rows] = k.to(key.dtype), v.to(value.dtype)
-        return key, value
 
     def _stage(self, jobs: list[LoadJob]) -> "_Staged":
         """Blob tokens of all spans, one after another, in the host staging buffer, as stored."""
@@ -252,7 +223,7 @@ class WorkerSide:
         by_role = {"keys": {}, "values": {}}
         for (role, name), buf in zip(names, parts):
             by_role[role][name] = buf
-        mapped = _mapped_tokens(jobs, positions) if self._kv_map is not None else None
+        mapped = _mapped_tokens(jobs, positions) if self._key_map is not None else None
         token_ids = torch.tensor([t for span, blob in zip(spans, blobs)
                                   for t in blob.token_ids[span.src : span.src + span.length]], dtype=torch.long)
         return _Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions, mapped, token_ids)
@@ -345,23 +316,12 @@ class _Staged:
         self.mapped = mapped  # [N] bool: tokens that go through the reader's KV map; None when none does
         self.token_ids = token_ids  # [N] the blobs' tokens (what a recompute embeds)
 
-    def moves_to(self, device: torch.device):
-        """None when no key moves; else (index of moving tokens or None for all [M], src [M], dst [M])."""
-        moving = self.src != self.dst
-        if not bool(moving.any()):
-            return None
-        if bool(moving.all()):
-            return None, self.src.to(device, non_blocking=True), self.dst.to(device, non_blocking=True)
-        index = moving.nonzero().squeeze(1)
-        return (index.to(device, non_blocking=True), self.src[index].to(device, non_blocking=True),
-                self.dst[index].to(device, non_blocking=True))
 
-
-def _decode_layer(codec: str, parts: dict[str, torch.Tensor], layer: int, device: torch.device,
-                  dtype: torch.dtype | None) -> torch.Tensor:
-    """Layer `layer` of staged parts [L, N, ...] -> decoded [N, H, D] on `device`."""
+def _decode_layer(codec: str, parts: dict[str, torch.Tensor], layer: int, device: torch.device) -> torch.Tensor:
+    """Layer `layer` of staged parts [L, N, ...] -> decoded [N, H, D] on `device` (the staging
+    buffer itself where nothing is to decode and the device is the host)."""
     on_device = {name: t[layer].to(device, non_blocking=True) for name, t in parts.items()}
-    return decode_parts(codec, on_device, dtype)
+    return decode_parts(codec, on_device)
 
 
 def _stacked_shape(part: torch.Tensor, n: int) -> tuple[int, ...]:
@@ -395,15 +355,6 @@ def _token_map(jobs: list[LoadJob] | list[SaveJob], block_size: int) -> tuple[to
         positions.append(p)
         slots.append(slot_mapping(job.block_ids, p, block_size))
     return torch.cat(positions), torch.cat(slots)
-
-
-def _rows(mapped: torch.Tensor, device: torch.device) -> torch.Tensor | slice:
-    """The staged rows the KV map applies to: all of them (a slice: no gather) in the usual step,
-    where the prompt's head is a prefix-cache hit and only facts are loaded; else their index [M]
-    on the device. Decided on the host, once per step."""
-    if bool(mapped.all()):
-        return slice(None)
-    return mapped.nonzero().squeeze(1).to(device, non_blocking=True)
 
 
 def _mapped_tokens(jobs: list[LoadJob], positions: torch.Tensor) -> torch.Tensor | None:
