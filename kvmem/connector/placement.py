@@ -52,21 +52,28 @@ class KeyMap:
         rows = torch.cat((m.key_a[..., :r], m.key_b[..., :r]), dim=-1).contiguous()
         return cls(rows, *m.key_factors(), m.value_scale, m.value_shift, m.rotary_dim, rotary_kernel())
 
-    def keys_(self, layer: int, k: torch.Tensor) -> None:
-        """k [M, H, D] contiguous float32 through layer `layer`'s key map, in place: k a + swap(k) b."""
-        rows, heads, dim = len(k), k.shape[1], k.shape[2]
+    def keys_(self, k: torch.Tensor, layer: int | None = None) -> None:
+        """k [M, H, D] of layer `layer`, or [L, M, H, D] of every layer (layer None), contiguous
+        float32, through the key map in place: k a + swap(k) b."""
+        keys = k if layer is None else k[None]  # [l, M, H, D]
+        rows, a, b = (t if layer is None else t[layer][None] for t in (self.rows, self.a, self.b))  # [l, H, .]
+        layers, tokens, heads, dim = keys.shape
         r = self.rotary_dim or dim
         if self.kernel is not None:
-            which = torch.arange(heads, device=k.device).repeat(rows)  # [M*H]: each row's head
-            self.kernel(which, k.view(rows * heads, dim), None, dim, self.rows[layer], True)
+            # [l*M*H]: each (layer, token, head) row's kernel row, its layer's row for its head
+            which = (torch.arange(layers, device=k.device)[:, None, None] * heads
+                     + torch.arange(heads, device=k.device)).expand(layers, tokens, heads).reshape(-1)
+            self.kernel(which, keys.view(-1, dim), None, dim, rows.reshape(layers * heads, r), True)
         else:
-            _mul_pairs_(k[..., :r], self.a[layer, :, :r], self.b[layer, :, :r])
+            _mul_pairs_(keys[..., :r], a[:, None, :, :r], b[:, None, :, :r])
         if r < dim:  # the pairs past the rotary dims (kvmap.pair_swap)
-            _mul_pairs_(k[..., r:], self.a[layer, :, r:], self.b[layer, :, r:])
+            _mul_pairs_(keys[..., r:], a[:, None, :, r:], b[:, None, :, r:])
 
-    def values_(self, layer: int, v: torch.Tensor) -> None:
-        """v [M, H, D] float32 through layer `layer`'s value map, in place."""
-        v.mul_(self.scale[layer]).add_(self.shift[layer])
+    def values_(self, v: torch.Tensor, layer: int | None = None) -> None:
+        """v [M, H, D] of layer `layer`, or [L, M, H, D] of every layer, float32, through the
+        value map in place."""
+        scale, shift = (t[layer] if layer is not None else t[:, None] for t in (self.scale, self.shift))
+        v.mul_(scale).add_(shift)
 
 
 def _mul_pairs_(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -117,8 +124,8 @@ class Placement:
             return k.to(dtype), value.to(dtype)
         v = value.to(torch.float32, copy=True)
         for run in self.mapped:
-            self.kv_map.keys_(i, k[run])
-            self.kv_map.values_(i, v[run])
+            self.kv_map.keys_(k[run], i)
+            self.kv_map.values_(v[run], i)
         return k.to(dtype), v.to(dtype)
 
 

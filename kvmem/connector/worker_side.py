@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from kvmem.connector.blob_writer import BlobWriter, SaveBatch
+from kvmem.connector.mapped_tier import MappedTier
 from kvmem.connector.paged import PageLayout, slot_mapping
 from kvmem.connector.placement import KeyMap, Placement
 from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob
@@ -67,6 +68,7 @@ class WorkerSide:
         self.tier_counts = {"ram_hits": 0, "disk_loads": 0}  # this worker's blob loads since last reported
         self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py), as the adapter gave it
         self._key_map: KeyMap | None = None  # the same, on the device, once registered and checked
+        self._mapped_tier: MappedTier | None = None  # blobs mapped once (CPU backend only)
         self.map_refusal: str | None = None  # why the KV map was dropped at registration, if it was
         # The model's layers, for selective recompute; else why recompute cannot drive this model.
         self._recomputer = recompute if isinstance(recompute, Recomputer) else None
@@ -88,6 +90,8 @@ class WorkerSide:
             log.info("selective recompute unavailable for this model (plain injection): %s", self.recompute_refusal)
         if self._kv_map is not None and self._map_fits():
             self._key_map = KeyMap.on(self._kv_map, self.device)
+            if self.device.type == "cpu" and self.store.hot_limit > 0:
+                self._mapped_tier = MappedTier(self._key_map, self.store.hot_limit)
 
     def _layer_rotators(self) -> LayerRotators:
         if isinstance(self._rotator_of, KeyRotator):
@@ -199,6 +203,7 @@ class WorkerSide:
         blobs = [blob for blob, _ in fetched]
         for _, in_ram in fetched:
             self.tier_counts["ram_hits" if in_ram else "disk_loads"] += 1
+        premapped = self._premapped(jobs, blobs)
         codec = blobs[0].codec if len({b.codec for b in blobs}) == 1 else None
         if codec is None:  # a codec change left blobs of two codecs: decode on the host (rare)
             blobs = [_decoded(b) for b in blobs]
@@ -223,10 +228,23 @@ class WorkerSide:
         by_role = {"keys": {}, "values": {}}
         for (role, name), buf in zip(names, parts):
             by_role[role][name] = buf
-        mapped = _mapped_tokens(jobs, positions) if self._key_map is not None else None
+        mapped = _mapped_tokens(jobs, positions, premapped) if self._key_map is not None else None
         token_ids = torch.tensor([t for span, blob in zip(spans, blobs)
                                   for t in blob.token_ids[span.src : span.src + span.length]], dtype=torch.long)
         return _Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions, mapped, token_ids)
+
+    def _premapped(self, jobs: list[LoadJob], blobs: list[KVBlob]) -> list[bool]:
+        """Swap in the mapped tier's copy of each blob whose whole span the KV map applies to
+        (in place in `blobs`, one per span); -> per span, whether it was."""
+        done = [False] * len(blobs)
+        if self._mapped_tier is None:
+            return done
+        spans = [(job, span) for job in jobs for span in job.spans]
+        wanted = [i for i, (job, span) in enumerate(spans) if job.map_from is not None and span.start >= job.map_from]
+        for i, copy in zip(wanted, self._mapped_tier.get([blobs[i] for i in wanted])):
+            if copy is not None:
+                blobs[i], done[i] = copy, True
+        return done
 
     def wait_layer(self, layer_name: str) -> None:
         """Called before a layer's attention: its injected K/V must be in the cache by then."""
@@ -357,13 +375,15 @@ def _token_map(jobs: list[LoadJob] | list[SaveJob], block_size: int) -> tuple[to
     return torch.cat(positions), torch.cat(slots)
 
 
-def _mapped_tokens(jobs: list[LoadJob], positions: torch.Tensor) -> torch.Tensor | None:
+def _mapped_tokens(jobs: list[LoadJob], positions: torch.Tensor, premapped: list[bool]) -> torch.Tensor | None:
     """[N] bool over the jobs' tokens (as _token_map orders them): at or after their job's
-    map_from. None when no token is."""
+    map_from, and not from a span whose blob was mapped already (`premapped`, per span). None
+    when no token is."""
     never = positions.max().item() + 1 if len(positions) else 0
     bounds = torch.cat([torch.full((sum(s.length for s in job.spans),),
                                    never if job.map_from is None else job.map_from) for job in jobs])
-    mapped = positions >= bounds
+    lengths = torch.tensor([s.length for job in jobs for s in job.spans])
+    mapped = (positions >= bounds) & ~torch.repeat_interleave(torch.tensor(premapped, dtype=torch.bool), lengths)
     return mapped if bool(mapped.any()) else None
 
 

@@ -94,6 +94,11 @@ class KVStore:
             self._unsubscribe = None
             self._tier.close()
 
+    @property
+    def hot_limit(self) -> int:
+        """The RAM tier's budget in bytes (0: no RAM tier)."""
+        return self._hot_limit
+
     def path(self, fact_id: str) -> Path:
         return self.dir / f"{check_fact_id(fact_id)}.safetensors"
 

@@ -125,6 +125,12 @@ def test_the_key_map_through_the_rotary_kernel_is_the_torch_formula(rotary_dim):
         want = a * k + b * pair_swap(k, rotary_dim)
         for path in (fast, slow):
             got = k.clone()
-            path.keys_(layer, got)
+            path.keys_(got, layer)
             assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
         assert not torch.allclose(want, k, atol=1e-2)  # the map does something
+    for path in (fast, slow):  # every layer in one call
+        every = k[None].repeat(LAYERS, 1, 1, 1)
+        path.keys_(every)
+        for layer in range(LAYERS):
+            a, b = (t[layer] for t in kv_map.key_factors())
+            assert torch.allclose(every[layer], a * k + b * pair_swap(k, rotary_dim), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,93 @@
+"""The worker's RAM tier of mapped blobs: fact blobs through the reader's KV map, mapped once.
+
+Runs in vLLM's worker process, beside the store's own RAM tier, on the CPU backend (where the
+cache's device is the host the blobs are on). The KV map is a per-layer, per-head transform of
+keys (a complex multiply per rotary pair, which commutes with RoPE) and of values (an affine
+map), whatever the token's position (reader/kvmap.py). So a blob can be mapped where it was
+encoded and then moved and injected as any other: a step's facts that are hot here cost it no
+map work, where mapping them in the step cost a fifth of KV mode's time to first token at k=50
+on the CPU backend (docs/benchmarks.md, "The KV map's TTFT cost"). On a GPU that work is small
+and stays in the step (placement.py), as it does for coded blobs (a mapped copy would have to be
+stored decoded).
+
+A mapped blob is kept while the store serves the very blob it was mapped from: a rewritten or
+reloaded fact is a new blob object, and is mapped again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from kvmem.connector.placement import KeyMap
+from kvmem.kv.blob import KVBlob
+
+
+class MappedTier:
+    """Mapped copies of codec-none blobs, least recently used first out, within `limit_bytes`
+    (each entry counts its source blob too, which it holds to know it is still current)."""
+
+    def __init__(self, key_map: KeyMap, limit_bytes: int) -> None:
+        self._map = key_map
+        self._limit = limit_bytes
+        self._entries: OrderedDict[str, tuple[KVBlob, KVBlob]] = OrderedDict()  # fact id -> (source, mapped)
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.maps = 0
+
+    def get(self, blobs: list[KVBlob]) -> list[KVBlob | None]:
+        """Each blob through the map, or None where this tier does not map it (a coded blob).
+        The ones not held yet are mapped together, in one pass per op (a step's new facts)."""
+        out: list[KVBlob | None] = [None] * len(blobs)
+        missing: dict[int, list[int]] = {}  # id(blob) -> where it is asked for
+        with self._lock:
+            for i, blob in enumerate(blobs):
+                if blob.codec != "none":
+                    continue
+                hit = self._entries.get(blob.fact_id)
+                if hit is not None and hit[0] is blob:
+                    self._entries.move_to_end(blob.fact_id)
+                    self.hits += 1
+                    out[i] = hit[1]
+                else:
+                    missing.setdefault(id(blob), []).append(i)
+        if missing:
+            sources = [blobs[where[0]] for where in missing.values()]
+            for where, blob, mapped in zip(missing.values(), sources, self._mapped(sources)):
+                self._keep(blob, mapped)
+                for i in where:
+                    out[i] = mapped
+        return out
+
+    def _mapped(self, blobs: list[KVBlob]) -> list[KVBlob]:
+        """The blobs' keys and values [L, T, H, D] through every layer's map, all blobs at once
+        (concatenated along T), in float32, rounded back to their stored dtypes."""
+        lengths = [b.num_tokens for b in blobs]
+        k = torch.cat([b.key for b in blobs], dim=1).to(torch.float32)  # [L, sum T, H, D], a new tensor
+        v = torch.cat([b.value for b in blobs], dim=1).to(torch.float32)
+        self._map.keys_(k)
+        self._map.values_(v)
+        self.maps += len(blobs)
+        out, at = [], 0
+        for blob, n in zip(blobs, lengths):
+            key, value = (t[:, at : at + n].to(like.dtype, copy=True) for t, like in ((k, blob.key), (v, blob.value)))
+            out.append(KVBlob(blob.fact_id, blob.fingerprint, blob.token_ids, key, value, blob.key_position))
+            at += n
+        return out
+
+    def _keep(self, blob: KVBlob, mapped: KVBlob) -> None:
+        size = blob.nbytes + mapped.nbytes
+        if size > self._limit:
+            return
+        with self._lock:
+            old = self._entries.pop(blob.fact_id, None)
+            if old is not None:
+                self._bytes -= old[0].nbytes + old[1].nbytes
+            self._entries[blob.fact_id] = (blob, mapped)
+            self._bytes += size
+            while self._bytes > self._limit:
+                _, (src, out) = self._entries.popitem(last=False)
+                self._bytes -= src.nbytes + out.nbytes
