@@ -114,6 +114,8 @@ class KVConfig:
       codec: docs/benchmarks.md).
     hot_cache_mib: the RAM tier: decoded blobs kept in the engine process (LRU), which the
       scheduler fills when it checks a request's blobs, so the forward pass reads them from RAM.
+      With a reader KV map on the CPU backend, the worker keeps hot facts' mapped copies within
+      the same budget again (connector/mapped_tier.py).
     disk_budget_mib: the disk tier's byte budget for fact blobs (None: unlimited). Past it, the
       blobs of the least-used facts are evicted (kv/budget.py, LFU with dynamic aging); an
       evicted fact is served by text prefill and re-encoded when chats use it enough.
