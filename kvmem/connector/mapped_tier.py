@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvmem.connector.placement import KeyMap
+from kvmem.connector.placement import DeviceKVMap
 from kvmem.kv.blob import KVBlob
 
 
@@ -29,7 +29,7 @@ class MappedTier:
     """Mapped copies of codec-none blobs, least recently used first out, within `limit_bytes`
     (each entry counts its source blob too, which it holds to know it is still current)."""
 
-    def __init__(self, key_map: KeyMap, limit_bytes: int) -> None:
+    def __init__(self, key_map: DeviceKVMap, limit_bytes: int) -> None:
         self._map = key_map
         self._limit = limit_bytes
         self._entries: OrderedDict[str, tuple[KVBlob, KVBlob]] = OrderedDict()  # fact id -> (source, mapped)

@@ -4,13 +4,14 @@ Runs in vLLM's worker process, on the paged cache's device (worker_side.py calls
 token's key was cached at the position it was encoded at; where it is served elsewhere, the key
 is moved there (rope.py). The facts of a chat that reads with the reader adapter also go through
 its KV map (reader/kvmap.py): keys and values, in float32, after the move (the map commutes with
-RoPE, so the order is the lab's).
+RoPE, so the order is the lab's), unless they were staged mapped already (mapped_tier.py).
 
 What does not depend on the layer is decided once per step (`Placement.of`): which rows move and
 which are mapped, as runs of consecutive rows, and each rotary embedding's move rows. Runs, not
 an index: a step stages the prompt's head (which stays put and is never mapped) before the facts
 (which move and are mapped), so each set is one or a few runs, and a gather plus a scatter per
-layer cost more than the work itself (on the CPU backend at k=50, twice the map's own cost).
+layer cost more than the work itself (on the CPU backend at k=50 they made the step's injection
+take about twice as long; docs/benchmarks.md, "The KV map's TTFT cost").
 Per layer (`Placement.layer`), a layer none of whose rows move or are mapped is only cast to the
 cache dtype, bit for bit as stored; otherwise its key is worked on in one float32 copy and
 rounded once.
@@ -28,7 +29,7 @@ from kvmem.reader.kvmap import KVMap, rotate_half
 
 
 @dataclass(frozen=True)
-class KeyMap:
+class DeviceKVMap:
     """The reader's KV map on the cache's device, in float32, as the worker applies it.
 
     Its key map is a complex multiply per head and rotary pair, k -> (a + ib) k, which is what a
@@ -46,7 +47,7 @@ class KeyMap:
     kernel: Callable | None
 
     @classmethod
-    def on(cls, kv_map: KVMap, device: torch.device) -> "KeyMap":
+    def on(cls, kv_map: KVMap, device: torch.device) -> "DeviceKVMap":
         m = kv_map.to(device, torch.float32)
         r = (m.rotary_dim or m.shape[2]) // 2
         rows = torch.cat((m.key_a[..., :r], m.key_b[..., :r]), dim=-1).contiguous()
@@ -88,11 +89,11 @@ class Placement:
     moves: tuple[tuple[slice, tuple[torch.Tensor, ...]], ...]  # (run, its move rows per layer [len, rot])
     mapped: tuple[slice, ...]  # runs through the KV map
     rotator: LayerRotators
-    kv_map: KeyMap | None
+    kv_map: DeviceKVMap | None
 
     @classmethod
     def of(cls, src: torch.Tensor, dst: torch.Tensor, mapped: torch.Tensor | None, rotator: LayerRotators,
-           kv_map: KeyMap | None, device: torch.device) -> "Placement":
+           kv_map: DeviceKVMap | None, device: torch.device) -> "Placement":
         """src [N] where each staged key was cached (-1: pre-RoPE), dst [N] where it is served,
         mapped [N] bool or None (host tensors) -> the step's placement on `device`."""
         runs = _runs(src != dst)

@@ -5,11 +5,13 @@ fills a staging buffer (loads) or receives a finished copy (saves).
 
 Injection, per step: blob tokens are gathered, in their stored (coded) form, into one reusable
 (pinned) host staging buffer; then, on a side stream and per layer, they are copied to the
-device and decoded, the keys of tokens served away from where they were encoded are moved there
-with the engine's rotary kernel (tokens that stay put are written untouched), the facts of a
-chat read with the reader adapter go through its KV map (reader/kvmap.py), both are written
+device and decoded, placed (placement.py: the keys of tokens served away from where they were
+encoded are moved there with the engine's rotary kernel, tokens that stay put are written
+untouched, and the facts of a chat read with the reader adapter go through its KV map), written
 with the attention backend's own cache-update op, and an event is recorded. `wait_layer` makes
 the engine's stream wait for that layer's event only, so layer i's copy overlaps layer i-1's compute.
+On the CPU backend, facts the map applies to are staged already mapped where this worker has
+mapped them before (mapped_tier.py).
 
 Encoding, per step: after the forward, on the side stream, the encoded tokens are gathered from
 the paged cache as it holds them and copied into host memory; a background thread
@@ -30,7 +32,7 @@ import torch
 from kvmem.connector.blob_writer import BlobWriter, SaveBatch
 from kvmem.connector.mapped_tier import MappedTier
 from kvmem.connector.paged import PageLayout, slot_mapping
-from kvmem.connector.placement import KeyMap, Placement
+from kvmem.connector.placement import DeviceKVMap, Placement
 from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob
 from kvmem.connector.recompute import Recomputer, Rows
 from kvmem.connector.rope import KeyRotator, LayerRotators
@@ -67,7 +69,7 @@ class WorkerSide:
         self.failed_block_ids: set[int] = set()
         self.tier_counts = {"ram_hits": 0, "disk_loads": 0}  # this worker's blob loads since last reported
         self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py), as the adapter gave it
-        self._key_map: KeyMap | None = None  # the same, on the device, once registered and checked
+        self._key_map: DeviceKVMap | None = None  # the same, on the device, once registered and checked
         self._mapped_tier: MappedTier | None = None  # blobs mapped once (CPU backend only)
         self.map_refusal: str | None = None  # why the KV map was dropped at registration, if it was
         # The model's layers, for selective recompute; else why recompute cannot drive this model.
@@ -89,7 +91,7 @@ class WorkerSide:
         if self.recompute_refusal:
             log.info("selective recompute unavailable for this model (plain injection): %s", self.recompute_refusal)
         if self._kv_map is not None and self._map_fits():
-            self._key_map = KeyMap.on(self._kv_map, self.device)
+            self._key_map = DeviceKVMap.on(self._kv_map, self.device)
             if self.device.type == "cpu" and self.store.hot_limit > 0:
                 self._mapped_tier = MappedTier(self._key_map, self.store.hot_limit)
 

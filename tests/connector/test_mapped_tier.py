@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmem.connector.mapped_tier import MappedTier
-from kvmem.connector.placement import KeyMap
+from kvmem.connector.placement import DeviceKVMap
 from kvmem.connector.rope import KeyRotator
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.codec import encode
@@ -27,7 +27,7 @@ def blob(fact_id="f", n=7, seed=0) -> KVBlob:
 
 def test_a_blob_is_mapped_as_the_lab_maps_it_and_only_once():
     kv_map = random_map(LAYERS, HEADS, DIM)
-    tier = MappedTier(KeyMap.on(kv_map, torch.device("cpu")), 1 << 30)
+    tier = MappedTier(DeviceKVMap.on(kv_map, torch.device("cpu")), 1 << 30)
     b = blob()
     (got,) = tier.get([b])
     assert got.key_position == b.key_position and got.token_ids == b.token_ids
@@ -43,7 +43,7 @@ def test_a_blob_is_mapped_as_the_lab_maps_it_and_only_once():
 
 
 def test_coded_blobs_are_left_to_the_step_and_the_budget_holds():
-    tier = MappedTier(KeyMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu")), 0)
+    tier = MappedTier(DeviceKVMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu")), 0)
     b = blob()
     coded = KVBlob("c", FP, b.token_ids, encode(b.key, "int8"), encode(b.value, "int8"), 30)
     assert tier.get([coded]) == [None]
@@ -100,7 +100,7 @@ def test_the_worker_serves_mapped_facts_from_the_tier_on_the_cpu_backend(tmp_pat
 
 
 def test_a_steps_new_blobs_are_mapped_together_as_each_alone():
-    key_map = KeyMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu"))
+    key_map = DeviceKVMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu"))
     tier, alone = MappedTier(key_map, 1 << 30), MappedTier(key_map, 1 << 30)
     a, b, c = blob("a", 5, 1), blob("b", 9, 2), blob("c", 3, 3)
     coded = KVBlob("x", FP, c.token_ids, encode(c.key, "int8"), encode(c.value, "int8"), 30)

@@ -9,7 +9,7 @@ so a value near a bf16 rounding boundary may land on either side of it."""
 import pytest
 import torch
 
-from kvmem.connector.placement import KeyMap, Placement, _runs
+from kvmem.connector.placement import DeviceKVMap, Placement, _runs
 from kvmem.connector.rope import KeyRotator, LayerRotators
 from kvmem.reader.kvmap import pair_swap
 from tests.reader.test_kvmap import random_map
@@ -87,7 +87,7 @@ def reference(i, key, value, src, dst, mapped, rotators, kv_map):
 def test_each_layer_matches_the_token_by_token_reference(rotators):
     key, value, src, dst, mapped = staged_step()
     kv_map = random_map(LAYERS, HEADS, DIM)
-    place = Placement.of(src, dst, mapped, rotators, KeyMap.on(kv_map, torch.device("cpu")), torch.device("cpu"))
+    place = Placement.of(src, dst, mapped, rotators, DeviceKVMap.on(kv_map, torch.device("cpu")), torch.device("cpu"))
     assert [r for r, _ in place.moves] == [slice(5, 15), slice(20, 30)] and place.mapped == (slice(5, 15),)
     before = key.clone(), value.clone()
     for i in range(LAYERS):
@@ -102,7 +102,7 @@ def test_each_layer_matches_the_token_by_token_reference(rotators):
 
 def test_a_step_where_nothing_moves_or_is_mapped_is_a_cast(rotators):
     key, value, _, dst, mapped = staged_step()
-    for kv_map in (None, KeyMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu"))):
+    for kv_map in (None, DeviceKVMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu"))):
         place = Placement.of(dst, dst, None if kv_map else mapped, rotators, kv_map, torch.device("cpu"))
         assert place.moves == () and place.mapped == ()
         got_k, got_v = place.layer(0, key, value, torch.bfloat16)
@@ -117,9 +117,9 @@ def test_the_key_map_through_the_rotary_kernel_is_the_torch_formula(rotary_dim):
 
     kv_map = random_map(LAYERS, HEADS, DIM, rotary_dim=rotary_dim)
     k = torch.randn(50, HEADS, DIM, generator=torch.Generator().manual_seed(3))
-    fast, slow = KeyMap.on(kv_map, torch.device("cpu")), None
+    fast, slow = DeviceKVMap.on(kv_map, torch.device("cpu")), None
     assert fast.kernel is not None
-    slow = KeyMap(*(getattr(fast, f) for f in ("rows", "a", "b", "scale", "shift", "rotary_dim")), None)
+    slow = DeviceKVMap(*(getattr(fast, f) for f in ("rows", "a", "b", "scale", "shift", "rotary_dim")), None)
     for layer in range(LAYERS):
         a, b = (t[layer] for t in kv_map.key_factors())
         want = a * k + b * pair_swap(k, rotary_dim)
