@@ -17,12 +17,12 @@ reloaded fact is a new blob object, and is mapped again.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 import torch
 
 from kvmem.connector.placement import DeviceKVMap
 from kvmem.kv.blob import KVBlob
+from kvmem.kv.lru import ByteLRU
 
 
 class MappedTier:
@@ -31,9 +31,7 @@ class MappedTier:
 
     def __init__(self, key_map: DeviceKVMap, limit_bytes: int) -> None:
         self._map = key_map
-        self._limit = limit_bytes
-        self._entries: OrderedDict[str, tuple[KVBlob, KVBlob]] = OrderedDict()  # fact id -> (source, mapped)
-        self._bytes = 0
+        self._entries: ByteLRU[tuple[KVBlob, KVBlob]] = ByteLRU(limit_bytes)  # fact id -> (source, mapped)
         self._lock = threading.Lock()
         self.hits = 0
         self.maps = 0
@@ -49,7 +47,7 @@ class MappedTier:
                     continue
                 hit = self._entries.get(blob.fact_id)
                 if hit is not None and hit[0] is blob:
-                    self._entries.move_to_end(blob.fact_id)
+                    self._entries.touch(blob.fact_id)
                     self.hits += 1
                     out[i] = hit[1]
                 else:
@@ -57,7 +55,8 @@ class MappedTier:
         if missing:
             sources = [blobs[where[0]] for where in missing.values()]
             for where, blob, mapped in zip(missing.values(), sources, self._mapped(sources)):
-                self._keep(blob, mapped)
+                with self._lock:
+                    self._entries.put(blob.fact_id, (blob, mapped), blob.nbytes + mapped.nbytes)
                 for i in where:
                     out[i] = mapped
         return out
@@ -77,17 +76,3 @@ class MappedTier:
             out.append(KVBlob(blob.fact_id, blob.fingerprint, blob.token_ids, key, value, blob.key_position))
             at += n
         return out
-
-    def _keep(self, blob: KVBlob, mapped: KVBlob) -> None:
-        size = blob.nbytes + mapped.nbytes
-        if size > self._limit:
-            return
-        with self._lock:
-            old = self._entries.pop(blob.fact_id, None)
-            if old is not None:
-                self._bytes -= old[0].nbytes + old[1].nbytes
-            self._entries[blob.fact_id] = (blob, mapped)
-            self._bytes += size
-            while self._bytes > self._limit:
-                _, (src, out) = self._entries.popitem(last=False)
-                self._bytes -= src.nbytes + out.nbytes

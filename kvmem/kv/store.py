@@ -38,6 +38,7 @@ from pathlib import Path
 from kvmem.errors import BlobError
 from kvmem.ids import check_fact_id
 from kvmem.kv.blob import KVBlob, check_header, decode_blob, encode_blob, verify_blob
+from kvmem.kv.lru import ByteLRU
 from kvmem.kv.shared import SharedTier, SharedTierError
 
 log = logging.getLogger("kvmem.kv")
@@ -67,9 +68,7 @@ class KVStore:
                  shared_url: str | None = None) -> None:
         self.fingerprint = fingerprint
         self.dir = Path(root) / fingerprint[:16]
-        self._hot: OrderedDict[str, tuple[tuple, KVBlob]] = OrderedDict()
-        self._hot_bytes = 0
-        self._hot_limit = hot_cache_bytes
+        self._hot: ByteLRU[tuple[tuple, KVBlob]] = ByteLRU(hot_cache_bytes)  # fact id -> (stamp, blob)
         self._verified: OrderedDict[str, tuple[tuple, tuple[int, ...]]] = OrderedDict()  # header-only checks
         self._lock = threading.Lock()
         self.worker_attached = False  # a connector worker reads this instance (same process)
@@ -97,7 +96,7 @@ class KVStore:
     @property
     def hot_limit(self) -> int:
         """The RAM tier's budget in bytes (0: no RAM tier)."""
-        return self._hot_limit
+        return self._hot.limit
 
     def path(self, fact_id: str) -> Path:
         return self.dir / f"{check_fact_id(fact_id)}.safetensors"
@@ -158,7 +157,7 @@ class KVStore:
         with self._lock:
             hit = self._hot.get(fact_id)
             if hit is not None and hit[0] == stamp:
-                self._hot.move_to_end(fact_id)
+                self._hot.touch(fact_id)
                 self.ram_hits += 1
                 return hit[1], True
         blob = decode_blob(self._read(path, fact_id), fact_id, self.fingerprint)
@@ -172,7 +171,7 @@ class KVStore:
         the RAM tier for the load that follows. Only checks (token_ids(); None for "in RAM") when
         there is no RAM tier or no worker in this process to read it (vLLM's CPU backend runs the
         worker apart)."""
-        if self._hot_limit <= 0 or not self.worker_attached:
+        if self._hot.limit <= 0 or not self.worker_attached:
             return self.token_ids(fact_id), None
         blob, in_ram = self.fetch(fact_id)
         return blob.token_ids, in_ram
@@ -184,11 +183,14 @@ class KVStore:
         """
         path, stamp = self._stamp(fact_id)
         with self._lock:
-            for cache in (self._hot, self._verified):
-                hit = cache.get(fact_id)
-                if hit is not None and hit[0] == stamp:
-                    cache.move_to_end(fact_id)
-                    return hit[1] if cache is self._verified else hit[1].token_ids
+            hot = self._hot.get(fact_id)
+            if hot is not None and hot[0] == stamp:
+                self._hot.touch(fact_id)
+                return hot[1].token_ids
+            checked = self._verified.get(fact_id)
+            if checked is not None and checked[0] == stamp:
+                self._verified.move_to_end(fact_id)
+                return checked[1]
         token_ids = verify_blob(self._read(path, fact_id), fact_id, self.fingerprint)
         with self._lock:
             self._verified[fact_id] = (stamp, token_ids)
@@ -302,9 +304,7 @@ class KVStore:
         path = self.path(fact_id)
         with self._install_lock:
             with self._lock:
-                hit = self._hot.pop(fact_id, None)
-                if hit is not None:
-                    self._hot_bytes -= hit[1].nbytes
+                self._hot.pop(fact_id)
                 self._verified.pop(fact_id, None)
             try:
                 path.unlink()
@@ -333,17 +333,8 @@ class KVStore:
         return sum(p.stat().st_size for p in self.dir.glob("*.safetensors")) if self.dir.is_dir() else 0
 
     def _remember(self, fact_id: str, stamp: tuple, blob: KVBlob) -> None:
-        if blob.nbytes > self._hot_limit:
-            return
         with self._lock:
-            old = self._hot.pop(fact_id, None)
-            if old is not None:
-                self._hot_bytes -= old[1].nbytes
-            self._hot[fact_id] = (stamp, blob)
-            self._hot_bytes += blob.nbytes
-            while self._hot_bytes > self._hot_limit:
-                _, (_, evicted) = self._hot.popitem(last=False)
-                self._hot_bytes -= evicted.nbytes
+            self._hot.put(fact_id, (stamp, blob), blob.nbytes)
 
 
 def _stat(path: Path) -> tuple[int, int, int] | None:

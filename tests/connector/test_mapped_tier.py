@@ -50,7 +50,7 @@ def test_coded_blobs_are_left_to_the_step_and_the_budget_holds():
     small = MappedTier(tier._map, 3 * b.nbytes)  # room for one blob and its mapped copy, not two
     (first,) = small.get([blob("a")])
     small.get([blob("b", seed=1)])
-    assert list(small._entries) == ["b"] and small._bytes == 2 * b.nbytes
+    assert small._entries.keys() == ["b"] and small._entries.bytes == 2 * b.nbytes
     assert small.get([blob("a")])[0] is not first  # evicted: mapped again
 
 
