@@ -206,7 +206,9 @@ def test_forgetting_through_one_gateway_removes_the_fact_from_every_store(topolo
     replicas = topology["replicas"]
     user = _user_on(replicas[0], replicas, "forget")
     (fact,) = _add(a, user, ["My locker code is 4417."])
-    assert _blob_files(replicas[0], fact)  # encoded on the user's replica, kept in its local folder
+    # Encoded on the user's replica, kept in its local folder. The sync add returns once the blob
+    # is in the shared tier, which a store writes first; the local file lands just after it.
+    _until(lambda: _blob_files(replicas[0], fact), what="the user's replica keeping its local copy")
     # The other replica's local folder gets a copy the way its connector would: pulled from Redis.
     other = KVStore(replicas[1].home / "kv", _fingerprint(), 0, shared_url=topology["redis_url"])
     other.token_ids(fact)
