@@ -101,6 +101,22 @@ def mem(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def servers(tmp_path_factory):
+    """One real `kvmem serve` for the session (tests/server/conftest.py: Servers), shared by
+    tests/server/, tests/mcp/ and tests/integrations/ so that the suite loads its engine once."""
+    from tests.server.conftest import Servers
+
+    s = Servers(tmp_path_factory.mktemp("kvmem-server"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def server(servers):
+    return servers.get()
+
+
+@pytest.fixture(scope="session")
 def postgres_url(tmp_path_factory):
     """A real PostgreSQL server (pgserver's binaries) for the session; tests make their own databases."""
     from kvmem.bench import servers

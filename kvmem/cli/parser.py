@@ -27,7 +27,7 @@ SERVERS = ("serve", "gateway")  # parse their flags with kvmem.server's table; a
 def build_parser() -> argparse.ArgumentParser:
     """The whole command table (an argparse table)."""
     from kvmem.bench import cli as bench_cli
-    from kvmem.cli import config_cmd, demo, inspect_cmd, memory, serve, transfer_cmd
+    from kvmem.cli import config_cmd, demo, inspect_cmd, mcp_cmd, memory, serve, transfer_cmd
     from kvmem.tune import cli as reader_cli
 
     # allow_abbrev=False: else chat's --mode would be read as an ambiguous prefix of --model/--models-home.
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_cmd.add_parsers(sub)
     demo.add_parser(sub)
     serve.add_parsers(sub)
+    mcp_cmd.add_parser(sub)
     reader_cli.add_bench_parser(bench_cli.add_parsers(sub))
     reader_cli.add_parser(sub)
     config_cmd.add_parsers(sub)

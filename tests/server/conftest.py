@@ -49,16 +49,7 @@ class Servers:
             self.current.stop()
 
 
-@pytest.fixture(scope="session")
-def servers(tmp_path_factory):
-    s = Servers(tmp_path_factory.mktemp("kvmem-server"))
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def server(servers) -> ServerProc:
-    return servers.get()
+# `servers` and `server` live in tests/conftest.py: tests/mcp/ and tests/integrations/ share the one server.
 
 
 @pytest.fixture
