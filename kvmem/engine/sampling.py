@@ -17,6 +17,9 @@ from kvmem.errors import InvalidInputError
 
 MAX_N = 8  # choices per request; a server may set a lower cap
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed is a torch.long; a wider int fails its serialiser
+MAX_TOKEN_ID = 2**31 - 1  # vLLM holds token ids as int32
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound, either way
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class Sampling:
         _check_int("top_k", self.top_k, -1)
         _check_number("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, -(2**63))
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
@@ -54,7 +57,7 @@ class Sampling:
         if len(self.stop) > 4:
             raise InvalidInputError(f"at most 4 stop sequences, got {len(self.stop)}", param="stop")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0)
+            _check_int("stop_token_ids", t, 0, MAX_TOKEN_ID)
         if self.json_schema is not None and not isinstance(self.json_schema, Mapping):
             raise InvalidInputError("a JSON schema must be an object", param=self.schema_from)
 
@@ -62,8 +65,8 @@ class Sampling:
         if not isinstance(self.logit_bias, Mapping) or len(self.logit_bias) > 300:
             raise InvalidInputError("logit_bias must map at most 300 token ids to biases", param="logit_bias")
         for token, bias in self.logit_bias.items():
-            _check_int("logit_bias", token, 0)
-            _check_number("logit_bias", bias, -100.0, 100.0)
+            _check_int("logit_bias", token, 0, MAX_TOKEN_ID)
+            _check_number("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
 
     @property
     def structured(self) -> bool:
@@ -108,7 +111,9 @@ class Sampling:
 
 
 def _check_number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # An int is compared as it is: math.isfinite would raise OverflowError on one past float's range.
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (isinstance(value, int)
+                                                                              or math.isfinite(value))
     if not ok or value > high or value < low or (low_open and value == low):
         bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
         raise InvalidInputError(f"{name} must be a number in {bound}, got {value!r}", param=name)

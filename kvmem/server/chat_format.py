@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from kvmem.engine.sampling import MAX_N, Sampling
+from kvmem.engine.sampling import MAX_LOGIT_BIAS, MAX_N, MAX_TOKEN_ID, Sampling
 from kvmem.engine.tools import Tools
 from kvmem.results import Choice
 from kvmem.server.errors import ApiError
@@ -47,11 +47,17 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_
 
 
 def _logit_bias(bias: dict) -> dict[int, float]:
-    """OpenAI's {"token id": bias} (ids as strings, as JSON keys must be)."""
+    """OpenAI's {"token id": bias} (ids as strings, as JSON keys must be); Sampling checks the ids.
+
+    Checked before int() and float(), which raise on what JSON can carry: a key of Unicode digits
+    ("²"), one of thousands of digits, a bias past float's range (each was a 500)."""
     out = {}
     for key, value in bias.items():
-        if not key.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ApiError(400, f"logit_bias maps token ids to numbers; got {key!r}: {value!r}", param="logit_bias",
+        token = key.isascii() and key.isdigit() and len(key) <= len(str(MAX_TOKEN_ID))
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (token and number and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ApiError(400, f"logit_bias maps token ids (0 to {MAX_TOKEN_ID}) to numbers in "
+                           f"[{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]; got {key!r}: {value!r}", param="logit_bias",
                            code="invalid_value")
         out[int(key)] = float(value)
     return out

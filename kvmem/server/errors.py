@@ -73,7 +73,10 @@ async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    # The deepest error: a value matching no member of a union (content: str | list of parts) has
+    # one error per member, and the one inside a part names the field at fault, not the union.
+    first = max(exc.errors(), key=lambda e: len(validation_param(tuple(e.get("loc", ()))) or ""),
+                default={"loc": (), "msg": "invalid request"})
     param = validation_param(tuple(first.get("loc", ())))
     message = f"{param}: {first['msg']}" if param else str(first["msg"])
     return ApiError(400, message, param=param, code="invalid_value").response()

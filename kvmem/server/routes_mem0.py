@@ -17,6 +17,7 @@ does; omitted or false (kvmem's default, unlike the platform's), messages are st
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timezone
 from functools import partial
 from typing import Any
@@ -84,20 +85,22 @@ def _split(filters: Any) -> tuple[dict, dict | None]:
 
 
 def _scope(body: dict, tenant: Tenant) -> tuple[dict, dict | None]:
-    """The kvmem scope named by the body's top-level ids or its filters, and the remaining filters."""
+    """The kvmem scope named by the body's top-level ids or its filters, and the remaining filters.
+    An error names the id where it was given: "user_id" at the top level, "filters.user_id" inside."""
     entity, rest = _split(body.get("filters"))
+    where = {key: f"filters.{key}" for key in entity}
     for key in ENTITIES:
         if body.get(key) is not None:
-            entity[key] = body[key]
+            entity[key], where[key] = body[key], key
     if entity.get("app_id") is not None:
-        raise _bad("app_id is not supported by kvmem: scope by user_id, agent_id and run_id", "filters.app_id")
+        raise _bad("app_id is not supported by kvmem: scope by user_id, agent_id and run_id", where["app_id"])
     if entity.get("user_id") is None:
         raise _bad("a user_id is required (in filters): kvmem keeps every memory in a user's scope",
                    "filters.user_id")
     for key in ("agent_id", "run_id"):
         if entity.get(key) is not None and not isinstance(entity[key], str):
-            raise _bad(f"{key} must be a string", f"filters.{key}")
-    scope = {"user_id": tenant.user_id(entity["user_id"], "filters.user_id"),
+            raise _bad(f"{key} must be a string", where[key])
+    scope = {"user_id": tenant.user_id(entity["user_id"], where["user_id"]),
              "agent_id": entity.get("agent_id"), "run_id": entity.get("run_id")}
     return scope, rest
 
@@ -124,10 +127,8 @@ def _messages(messages: Any, timestamp: Any) -> list[dict]:
         raise _bad("messages must be a non-empty list of {role, content}", "messages")
     when = None
     if timestamp is not None:
-        if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
-            raise _bad("timestamp must be a unix time in seconds", "timestamp")
         try:
-            when = datetime.fromtimestamp(timestamp, timezone.utc).isoformat()
+            when = datetime.fromtimestamp(_number(timestamp, "timestamp"), timezone.utc).isoformat()
         except (OverflowError, OSError, ValueError):
             raise _bad("timestamp is out of range", "timestamp") from None
     out = []
@@ -141,6 +142,20 @@ def _messages(messages: Any, timestamp: Any) -> list[dict]:
             turn["timestamp"] = m.get("timestamp") or when
         out.append(turn)
     return out
+
+
+def _number(value: Any, param: str) -> float:
+    """A JSON number as a finite float: not a bool, a string or an int past float's range (pydantic's
+    strict float, for these hand-checked bodies)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"{param} must be a number", param)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _bad(f"{param} must be a finite number", param)
+    return number
 
 
 @router.post("/v3/memories/add/")
@@ -195,8 +210,8 @@ async def search(request: Request, tenant: CurrentTenant, body: Any = Body(...))
         raise _bad("query must be a non-empty string", "query")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 100:
         raise _bad("top_k must be an integer from 1 to 100", "top_k")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-        raise _bad("threshold must be a number", "threshold")
+    if threshold is not None:
+        threshold = _number(threshold, "threshold")
     scope, filters = _scope(body, tenant)
     rt, mem = _runtime(request)
     hits = await rt.call(partial(mem.search, query, **scope, k=top_k, filters=filters))

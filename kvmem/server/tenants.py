@@ -68,14 +68,29 @@ class KeyRing:
     def tenant(self, authorization: str | None) -> Tenant:
         if self.open:
             return Tenant(None)
-        scheme, _, key = (authorization or "").partition(" ")
         if not authorization:
             raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        # "Token" is the scheme Mem0's client sends (routes_mem0.py); the key is the same.
-        name = self._tenants.get(_digest(key.strip())) if scheme.lower() in ("bearer", "token") else None
+        name = self._tenants.get(_digest(bearer_key(authorization)))
         if name is None:
             raise _unauthorized("invalid API key")
         return Tenant(name)
+
+
+def bearer_key(authorization: str) -> str:
+    """The key of 'Bearer <key>' ("Token <key>": the scheme Mem0's client sends; the key is the
+    same), or '' for another scheme (401 then).
+
+    The scheme, one space, the key as sent: 400 for a key with whitespace around it. The key used
+    to be trimmed, so 'Bearer  key' (issue 53) passed; every client sends one space, and extra
+    whitespace means a key pasted or quoted wrong, which a door should say rather than mend."""
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() not in ("bearer", "token"):
+        return ""
+    if not key or key != key.strip():
+        raise ApiError(400, "malformed Authorization header: send 'Bearer <key>', one space before the key "
+                       "and none after", param="authorization", code="invalid_value",
+                       headers={"WWW-Authenticate": 'Bearer error="invalid_request"'})
+    return key
 
 
 async def current_tenant(request: Request) -> Tenant:

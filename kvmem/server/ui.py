@@ -15,6 +15,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from kvmem.errors import UnknownFactError
+from kvmem.facts.store import MAX_OFFSET
 from kvmem.server.errors import ApiError
 from kvmem.server.tenants import SEP, Tenant
 from kvmem.server.ui_auth import COOKIE, check_form, csrf_token, tenant_of
@@ -169,7 +170,7 @@ async def scope(request: Request) -> HTMLResponse:
     v = _View(request)
     q = request.query_params
     sc = v.scope(dict(q))
-    offset = int(q["offset"]) if q.get("offset", "").isascii() and q.get("offset", "").isdigit() else 0
+    offset = _offset(q.get("offset", "0"))
     records = await v.rt.call(v.mem.get_all, **sc, limit=PAGE + 1, offset=offset)
     last = _last_injected(v.mem.recent_chats(sc["user_id"]))
     facts = []
@@ -185,6 +186,14 @@ async def scope(request: Request) -> HTMLResponse:
                   scope_fields=_scope_fields(q), facts=facts, total=total, chats=_chat_rows(v, sc),
                   prev_href=_scope_href(user, agent, run, offset=max(0, offset - PAGE)) if offset else None,
                   next_href=_scope_href(user, agent, run, offset=offset + PAGE) if len(records) > PAGE else None)
+
+
+def _offset(text: str) -> int:
+    """The page's offset query parameter. Bounded before int(), which raises on thousands of
+    digits (was a 500), and to what the store can page to."""
+    if not (text.isascii() and text.isdigit() and len(text) <= len(str(MAX_OFFSET))) or int(text) > MAX_OFFSET:
+        raise _Page(400, f"offset must be a whole number from 0 to {MAX_OFFSET}")
+    return int(text)
 
 
 def _label(user: str, agent: str | None, run: str | None) -> str:

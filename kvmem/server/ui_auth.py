@@ -26,8 +26,8 @@ _SECRET = secrets.token_bytes(32)  # per process: tokens of a restarted server a
 def key_of(request: Request) -> str:
     """The API key the request carries (header first, then the page's cookie); '' if none."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and key.strip():
-        return key.strip()
+    if scheme.lower() == "bearer" and key:
+        return key  # untrimmed: tenant_of refuses a malformed header as the API does
     return request.cookies.get(COOKIE, "")
 
 

@@ -22,11 +22,20 @@ def test_the_default_is_greedy():
     ({"n": True}, "n"), ({"logit_bias": {5: 101.0}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
     ({"stop": ("",)}, "stop"), ({"stop": ("a", "b", "c", "d", "e")}, "stop"),
     ({"stop_token_ids": (-3,)}, "stop_token_ids"), ({"json_schema": "not a dict"}, "response_format"),
+    # Past what vLLM takes (issue 53): a seed beyond int64 failed its serialiser with OverflowError,
+    # and an int past float's range made math.isfinite raise instead of the field's error.
+    ({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"stop_token_ids": (2**31,)}, "stop_token_ids"),
+    ({"logit_bias": {2**31: 1.0}}, "logit_bias"), ({"logit_bias": {5: 10**400}}, "logit_bias"),
+    ({"temperature": 10**400}, "temperature"),
 ])
 def test_bad_values_name_their_field(fields, param):
     with pytest.raises(InvalidInputError) as e:
         Sampling(**fields)
     assert e.value.param == param and e.value.code == InvalidInputError.INVALID_VALUE
+
+
+def test_the_int64_ends_are_seeds():
+    assert Sampling(seed=2**63 - 1).seed == 2**63 - 1 and Sampling(seed=-(2**63)).seed == -(2**63)
 
 
 def test_a_replica_gets_the_fields_vllm_gets_in_process():
