@@ -173,6 +173,16 @@ def test_the_sweep_forgets_expired_facts_in_every_store(home, redis_url):
         tier.close()
 
 
+def test_an_expiry_is_an_instant_a_datetime_can_hold():
+    """Issue 53: an instant in the year 0 or 10000 was stored, and every view of the fact a 500."""
+    for bad in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-23:59"):
+        with pytest.raises(InvalidInputError) as err:
+            expires_at_of(bad)
+        assert err.value.param == "expiration_date"
+    last = expires_at_of("9999-12-31")  # the whole last day holds, to its last second
+    assert datetime.fromtimestamp(last, timezone.utc) == datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)
+
+
 def test_every_add_sweeps_first(home):
     with home() as mem:
         gone = mem.add(facts=["A fact for one day."], user_id="u", encode="none", expiration_date=PAST).ids[0]

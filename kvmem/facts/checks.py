@@ -8,10 +8,9 @@ the server never has to read the message to know which field was at fault.
 from __future__ import annotations
 
 import json
-import math
 import uuid
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
@@ -127,13 +126,21 @@ def check_event_time(value: object) -> str | None:
     return value  # type: ignore[return-value]
 
 
+# The instants a datetime can hold, UTC: every fact shown renders its expiry as one (an expiry in
+# the year 0 or 10000 was stored, then every listing of its user was a 500).
+EARLIEST_EXPIRY = datetime.min.replace(tzinfo=timezone.utc).timestamp()
+LATEST_EXPIRY = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc).timestamp()  # whole: a float
+# holds no microsecond this far from 1970, and datetime.max would round up into the year 10000
+
+
 def check_expires_at(value: object) -> float | None:
     """An expiry as stored: None (never) or seconds since the epoch (expiry.expires_at_of makes them)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidInputError(f"expires_at must be None or seconds since the epoch, got {value!r}",
-                                param="expiration_date")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not EARLIEST_EXPIRY <= value <= LATEST_EXPIRY:  # NaN fails the comparison too
+        raise InvalidInputError(f"expires_at must be None or seconds since the epoch within years 1 to 9999 (UTC), "
+                                f"got {value!r}", param="expiration_date")
     return float(value)
 
 

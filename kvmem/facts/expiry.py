@@ -18,7 +18,7 @@ from typing import Any
 
 from kvmem.errors import InvalidInputError
 from kvmem.facts import sql
-from kvmem.facts.checks import check_expires_at
+from kvmem.facts.checks import LATEST_EXPIRY, check_expires_at
 from kvmem.facts.records import COLUMNS, FactRecord, record
 
 
@@ -39,9 +39,10 @@ def expires_at_of(value: object) -> float | None:
     if isinstance(value, str):
         value = _parsed(value.strip())
     if isinstance(value, datetime):
-        return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+        return check_expires_at((value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp())
     if isinstance(value, date):  # the whole day holds; it expires when the next one begins (UTC)
-        return datetime.combine(value, time(), timezone.utc).timestamp() + _DAY_S
+        # 9999-12-31 (a common "never") holds to datetime's last instant: the next day is past its range.
+        return min(datetime.combine(value, time(), timezone.utc).timestamp() + _DAY_S, LATEST_EXPIRY)
     raise InvalidInputError(f"expiration_date must be an ISO date (YYYY-MM-DD), a datetime or None, got {value!r}",
                             param="expiration_date")
 

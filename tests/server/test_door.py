@@ -232,6 +232,20 @@ def test_a_string_window_is_a_400(door):
     _refused(_send(door, "POST", "/v1/memories", body), "window")
 
 
+@pytest.mark.parametrize("method,route,body", [
+    ("POST", "/v1/memories", {"user_id": "door", "facts": ["Door expiry."]}),
+    ("PUT", "/v1/memories/{memory_id}", {"text": "Door fact, expiring."}),
+    ("POST", "/v3/memories/add/", {"user_id": "door", "messages": "Door expiry, by Mem0."}),
+    ("PUT", "/v1/memories/{memory_id}/", {"text": "Door fact, expiring by Mem0."}),
+])
+def test_an_expiry_past_what_a_date_can_hold_is_a_400(door, method, route, body):
+    for instant in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-23:59"):  # years 0 and 10000, UTC
+        _refused(_send(door, method, route, {**body, "expiration_date": instant}), "expiration_date")
+    r = _send(door, method, route, {**body, "expiration_date": "9999-12-31"})
+    assert r.status_code == 200, r.text
+    assert "9999-12-31T23:59:59+00:00" in r.text
+
+
 @pytest.mark.parametrize("header", ["Bearer  " + KEY, "Token  " + KEY, "Bearer", "bearer \t" + KEY])
 def test_a_malformed_authorization_header_is_a_400(door, header):
     r = door.get("/v1/models", headers={"Authorization": header})
