@@ -1,4 +1,4 @@
-"""Every example in README.md and docs/server.md marked `<!-- test -->` runs, in order, against the test server."""
+"""Every example in README.md, docs/server.md and docs/agents.md marked `<!-- test -->` runs, in order, against the test server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.server.serverproc import KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "server.md"
-BLOCKS = [b for doc in (ROOT / "README.md", DOC)
+BLOCKS = [b for doc in (ROOT / "README.md", DOC, ROOT / "docs" / "agents.md")
           for b in re.findall(r"<!-- test -->\n```(bash|python)\n(.*?)```", doc.read_text(), re.S)]
 DOC_URL = "http://127.0.0.1:8000"
 
