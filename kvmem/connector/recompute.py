@@ -4,13 +4,14 @@ Runs in vLLM's worker process, in `start_load_kv`, after a step's blobs are writ
 paged cache and before the engine's forward pass (outside CUDA graphs). For the tokens that
 kv/recompute.py chooses, it runs the model's own decoder layers, one after another: their hidden
 states start from the embedding; at each layer their new K/V are written into their paged slots,
-then their queries attend, causally, to every slot of their request up to the injected end.
+then their queries attend, causally, to every slot of their request up to themselves.
 Only the chosen tokens are carried from layer to layer (CacheBlend's scheme), so the cost is
 their share of a prefill; tokens the engine then computes read the corrected cache.
 
 The layers run unchanged: for the duration, each attention layer's `forward` is swapped for one
-that does the write and the gathered attention itself (eager torch; the backend's kernels only
-know vLLM's own batch metadata). Model structures this cannot drive are refused once, at
+that does the write and the attention itself, with metadata of its own: on vLLM's CPU backend
+through the engine's own paged attention kernel, so a full recompute is text prefill's arithmetic;
+elsewhere gathered, in float32 (kvmem/connector/recompute_attention.py). Model structures this cannot drive are refused once, at
 start-up, with the reason (`Recomputer.find`); the connector then injects without recompute.
 """
 
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmem.connector.paged import PageLayout, slot_mapping
+from kvmem.connector.paged import PageLayout
+from kvmem.connector.recompute_attention import (Chosen, EngineKernel, GatheredAttention, engine_kernel_serves,
+                                                 group_window)
 from kvmem.kv.recompute import Recompute, key_deviation, positional, top_per_fact
 
 log = logging.getLogger("kvmem.connector")
@@ -39,9 +42,11 @@ class Rows:
     positions: torch.Tensor  # [N] prompt positions, on the device
     slots: torch.Tensor  # [N] their paged slots, on the device
     request: list[tuple[int, int]]  # per request: (its first row, its row count), in row order
-    context: list[torch.Tensor]  # per request: slots [E] of its positions 0..E-1 (E = the injected end), on the device
+    blocks: list[tuple[int, ...]]  # per request: its block ids in prompt order
+    ends: list[int]  # per request: its injected end E (positions 0..E-1 are in its pages)
     lengths: list[int]  # per fact (span), its candidate count, in row order
     rec: Recompute  # the requests' common setting
+    block_size: int
 
     @classmethod
     def of_jobs(cls, members: list, rec: Recompute, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -49,7 +54,7 @@ class Rows:
         """The fact tokens of these load jobs as rows. members: (job, index of its first token
         in the step's staging order); token_ids, positions, slots: [N] host tensors in that
         order. The head (the segment at prompt position 0) is never recomputed."""
-        index, request, context, lengths, first = [], [], [], [], 0
+        index, request, blocks, ends, lengths, first = [], [], [], [], [], 0
         for job, at in members:
             mine = 0
             for span in job.spans:
@@ -61,13 +66,20 @@ class Rows:
             if mine:
                 request.append((first, mine))
                 first += mine
-                end = max(s.end for s in job.spans)
-                context.append(slot_mapping(job.block_ids, torch.arange(end), block_size).to(device))
+                blocks.append(tuple(job.block_ids))
+                ends.append(max(s.end for s in job.spans))
         if not index:
             return None
         index = torch.cat(index)
         return cls(ids=token_ids[index].to(device), positions=positions[index].to(device),
-                   slots=slots[index].to(device), request=request, context=context, lengths=lengths, rec=rec)
+                   slots=slots[index].to(device), request=request, blocks=blocks, ends=ends, lengths=lengths,
+                   rec=rec, block_size=block_size)
+
+    def chosen(self, rows: torch.Tensor) -> Chosen:
+        """These rows [M] (sorted indices into the step's rows) as the attention sees them."""
+        starts = torch.tensor([s for s, _ in self.request[1:]], dtype=torch.long, device=rows.device)
+        owner = torch.bucketize(rows, starts, right=True)  # [M] request of each chosen row
+        return Chosen(self.slots[rows], self.positions[rows], owner, self.blocks, self.ends, self.block_size)
 
 
 class Recomputer:
@@ -79,6 +91,9 @@ class Recomputer:
         self.layers = layers  # decoder layers in cache order: (positions, hidden, residual) -> (hidden, residual)
         self.attention = attention  # each layer's attention module (static forward context)
         self.names = names  # their names, in that order
+        # vLLM's CPU kernel where every layer has it (text prefill's own arithmetic), else gathered.
+        self.engine_kernel = engine_kernel_serves(attention)
+        self.group_window = group_window(attention) if self.engine_kernel else -1
 
     @classmethod
     def find(cls, attention_by_name: dict[str, torch.nn.Module], names: list[str],
@@ -106,28 +121,34 @@ class Recomputer:
         h, residual = self.embed(rows.ids), None  # [N, hidden]
         start = 0
         if rule == "deviation":  # layer 0 for every candidate, then keep the keys that moved most
-            h, residual = self._layer(0, rows, _Attend(rows, every, layout, caches[0].shape), h, residual, caches, layout)
-            fresh = self._probe(1, rows, h, residual, caches[1], layout)  # [N, H, D]
+            h, residual = self._layer(0, self._attention(rows.chosen(every), layout, caches[0].shape),
+                                      h, residual, caches)
+            fresh = self._probe(1, rows, h, residual)  # [N, H, D]
             injected, _ = layout.gather(caches[1], rows.slots)
             keep = top_per_fact(key_deviation(fresh, injected).cpu(), rows.lengths, rows.rec).to(h.device)
-            every, h, residual, start = keep, h[keep], residual[keep], 1
+            h, residual, start = h[keep], residual[keep], 1
         else:
             spans, at = [], 0
             for n in rows.lengths:
                 spans.append((at, n))
                 at += n
             keep = positional(spans, Recompute(rows.rec.fraction, rule)).to(h.device)
-            every, h = keep, h[keep]
-        attend = _Attend(rows, every, layout, caches[0].shape)
+            h = h[keep]
+        attention = self._attention(rows.chosen(keep), layout, caches[0].shape)
         for i in range(start, len(self.layers)):
-            h, residual = self._layer(i, rows, attend, h, residual, caches, layout)
+            h, residual = self._layer(i, attention, h, residual, caches)
 
-    def _layer(self, i: int, rows: Rows, attend: _Attend, h, residual, caches, layout):
+    def _attention(self, chosen: Chosen, layout: PageLayout, shape: torch.Size):
+        if self.engine_kernel and all(hasattr(a, "isa") for a in self.attention):  # isa: set by the engine's metadata builder
+            return EngineKernel(chosen, self.group_window)
+        return GatheredAttention(chosen, layout, shape)
+
+    def _layer(self, i: int, attention, h, residual, caches):
         """Layer i over the chosen rows: writes their K/V, returns (hidden, residual) [M, hidden]."""
-        with _swapped(self.attention[i], _GatheredAttention(self.attention[i], caches[i], layout, attend)):
-            return self.layers[i](attend.positions, h, residual)
+        with _swapped(self.attention[i], attention.forward(self.attention[i], caches[i])):
+            return self.layers[i](attention.positions, h, residual)
 
-    def _probe(self, i: int, rows: Rows, h, residual, cache, layout) -> torch.Tensor:
+    def _probe(self, i: int, rows: Rows, h, residual) -> torch.Tensor:
         """The keys [N, H, D] layer i computes for every row, as it would cache them; nothing written."""
         seen = []
 
@@ -139,64 +160,6 @@ class Recomputer:
         with _swapped(self.attention[i], probe):
             self.layers[i](rows.positions, h, residual)
         return seen[0].view(len(rows.ids), self.attention[i].num_kv_heads, -1)
-
-
-class _Attend:
-    """Who attends to what, for one set of chosen rows: per request, its chosen rows, their
-    positions and its context's cache coordinates (the same in every layer: computed once)."""
-
-    def __init__(self, rows: Rows, chosen: torch.Tensor, layout: PageLayout, shape: torch.Size) -> None:
-        self.slots = rows.slots[chosen]  # [M]
-        self.positions = rows.positions[chosen]  # [M]
-        self.parts = []  # per request: (its rows [m] among the chosen, their positions [m], 0..E-1 [E], coords of E)
-        positions = self.positions
-        starts = torch.tensor([s for s, _ in rows.request[1:]], dtype=torch.long, device=chosen.device)
-        owner = torch.bucketize(chosen, starts, right=True)  # [M] request of each chosen row
-        for r, context in enumerate(rows.context):
-            mine = (owner == r).nonzero().squeeze(1)
-            if len(mine):
-                keys = torch.arange(len(context), device=chosen.device)
-                self.parts.append((mine, positions[mine], keys, layout.coords(context, shape)))
-
-
-class _GatheredAttention:
-    """An attention layer's forward for recomputed rows: write their K/V into their slots, then
-    attend each request's rows to its slots 0..E-1, causally (and within a sliding window)."""
-
-    def __init__(self, attn, cache: torch.Tensor, layout: PageLayout, attend: _Attend) -> None:
-        self.attn, self.cache, self.layout, self.attend = attn, cache, layout, attend
-        w = attn.sliding_window
-        self.window = w if isinstance(w, int) and w > 0 else None
-        self.cap = getattr(attn.impl, "logits_soft_cap", None) or None
-
-    def __call__(self, query, key, value, *args, **kwargs) -> torch.Tensor:
-        a = self.attn
-        m = query.shape[0]
-        q = query.view(m, a.num_heads, a.head_size)  # [M, Hq, D]
-        k, v = key.view(m, a.num_kv_heads, a.head_size), value.view(m, a.num_kv_heads, a.head_size_v)
-        a.impl.do_kv_cache_update(a, k, v, self.cache, self.attend.slots)
-        out = query.new_empty(m, a.num_heads, a.head_size_v)
-        for mine, positions, keys, coords in self.attend.parts:
-            seen = keys[None] <= positions[:, None]  # [m, E]
-            if self.window is not None:
-                seen &= positions[:, None] - keys[None] < self.window
-            out[mine] = self._attend(q[mine], seen, *self.layout.read(self.cache, coords)).to(out.dtype)
-        return out.view(m, -1)
-
-    def _attend(self, q: torch.Tensor, seen: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [m, Hq, D] over k, v [E, Hkv, D] where seen [m, E] -> [m, Hq, Dv], float32 math."""
-        a = self.attn
-        q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))  # [H, m|E, D]
-        if self.cap is None:  # one fused kernel; grouped-query heads shared without copies
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q[None], k[None], v[None], attn_mask=seen[None, None], scale=a.impl.scale,
-                enable_gqa=a.num_heads != a.num_kv_heads)[0]
-        else:  # Gemma 2's soft cap on the scores: no fused kernel has it
-            group = a.num_heads // a.num_kv_heads
-            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-            scores = self.cap * torch.tanh(torch.einsum("hmd,hed->hme", q, k) * a.impl.scale / self.cap)
-            out = torch.einsum("hme,hed->hmd", scores.masked_fill(~seen[None], float("-inf")).softmax(-1), v)
-        return out.transpose(0, 1)
 
 
 @contextlib.contextmanager
