@@ -28,6 +28,7 @@ REQUIRED = {
     ("export",): ["--all"],
     ("import",): ["facts.jsonl"],
     ("gateway",): ["--replicas", "http://127.0.0.1:9"],
+    ("mcp",): ["--user", "u"],
 }
 COMMANDS = [path for path, _ in leaf_commands(build_parser())]
 
