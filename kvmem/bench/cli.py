@@ -110,6 +110,9 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     lc.add_argument("--limit", type=int, default=40,
                     help="questions per conversation, drawn at random (--seed); 0 for all (default: 40)")
     lc.add_argument("--workers", type=int, default=4, help="questions in flight at once (default: 4)")
+    lc.add_argument("--no-noise-floor", dest="noise_floor", action="store_false",
+                    help="skip the second text-mode pass (another batch composition) that KV mode's agreement "
+                         "with text is read against")
     lc.add_argument("--ranking", choices=("hybrid", "dense", "lexical"), default=None,
                     help="retrieval ranking (default: the configured one, hybrid)")
     lc.add_argument("--codecs", type=_codec_list, default=(),
@@ -331,7 +334,7 @@ def cmd_locomo(args, config) -> int:
                                  seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs,
                                  text_facts=config.kv.text_facts, observation_window=args.observation_window,
                                  observation_origin=args.observation_origin,
-                                 recompute=config.kv.recompute_setting.tag)
+                                 recompute=config.kv.recompute_setting.tag, noise_floor=args.noise_floor)
     with _open(config) as mem:
         # Per-question logs quote LoCoMo (CC BY-NC): they stay in the data folder, not in the repo.
         rows = eval_locomo.run(mem, cfg, config.home / "eval")

@@ -2,6 +2,8 @@
 
 Per question (categories 1-4) the top-k facts are retrieved once and used, in stored order, by
 all three modes; each mode answers greedily and scores the gold answer by teacher forcing.
+Then text mode answers every question again under another batch composition: the engine's own
+noise floor, which KV mode's agreement with text is read against (bench/noise_floor.py).
 With `codecs`, KV mode also answers from each codec's re-coding of the same lossless blobs
 (mode "kv_<codec>"), so codecs are compared on the same questions and text answers.
 Results are appended per question to a JSONL file, so an interrupted run resumes. Only the
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmem.bench import locomo
+from kvmem.bench import locomo, noise_floor
 from kvmem.bench.eval_extract import TURNS_PER_ADD, extract_conversation, user_of
 from kvmem.bench.eval_report import VARIANTS
 from kvmem.bench.metrics import locomo_f1, top20_kl
@@ -52,6 +54,7 @@ class EvalConfig:
     observation_window: int | None = None  # with memory "both": the observations' window (None: 0)
     observation_origin: bool = False  # observations searched with the turn they restate (never encoded)
     recompute: str = "off"  # the service's kv.recompute setting (Recompute.tag), set by the caller: names the run
+    noise_floor: bool = True  # answer every question again in text mode under another batch (bench/noise_floor.py)
 
     def __post_init__(self):
         if self.memory not in DEFAULT_WINDOW:
@@ -255,9 +258,9 @@ def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
     convs = [c for c in locomo.load(cfg.data) if not cfg.conversations or c["sample_id"] in cfg.conversations]
     if cfg.codecs and mem.config.kv.codec != "none":
         raise SystemExit("comparing codecs re-codes lossless blobs: run with the default codec (none)")
-    jobs, copies = [], {}
+    jobs, copies, users = [], {}, {}
     for conv in convs:
-        user = build_memory(mem, conv, cfg, encode=False, log_dir=out_dir)
+        user = users[conv["sample_id"]] = build_memory(mem, conv, cfg, encode=False, log_dir=out_dir)
         qs = locomo.sample_questions(conv, cfg.limit, cfg.seed)
         todo = [(user, conv["sample_id"], i, q) for i, q in qs if f"{conv['sample_id']}#{i}" not in done]
         if todo:
@@ -275,4 +278,9 @@ def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
             log.write(json.dumps(row) + "\n")
             log.flush()
             bar.update()
-    return [json.loads(line) for line in log_path.open()]
+    rows = [json.loads(line) for line in log_path.open()]
+    if not cfg.noise_floor:
+        return rows
+    second = noise_floor.second_text_pass(mem, rows, users, noise_floor.workers_for(cfg.workers), cfg.max_tokens,
+                                          log_path)
+    return noise_floor.attach(rows, second)

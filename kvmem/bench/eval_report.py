@@ -37,6 +37,24 @@ def _group(rows: list[dict]) -> dict:
         lossless = f"top1_agree_lossless{mode.removeprefix('kv')}"  # vs the lossless blobs' first token
         out[lossless] = bootstrap_ci([float(r[lossless]) for r in rows if r.get(lossless) is not None])
     out["recall_at_k"] = bootstrap_ci([r["recall"] for r in rows if r["recall"] is not None])
+    if all("text2" in r for r in rows):
+        out.update(_noise_floor(rows, [m for m in ("kv", *VARIANTS, *codec_modes(rows)) if f"f1_{m}" in out]))
+    return out
+
+
+def _noise_floor(rows: list[dict], kv_modes: list[str]) -> dict:
+    """Text mode against its own second pass (bench/noise_floor.py), and each KV mode's same-answer
+    rate relative to it (1.0: KV parts from text no more often than text parts from itself)."""
+    noise = [float(r["same_answer_text2"]) for r in rows]
+    out = {"same_answer_noise": bootstrap_ci(noise),
+           "top1_agree_noise": bootstrap_ci([float(r["top1_agree_text2"]) for r in rows
+                                             if r["top1_agree_text2"] is not None]),
+           "kl_noise": bootstrap_ci([r["kl_text_text2"] for r in rows]),
+           "f1_text2": bootstrap_ci([r["text2"]["f1"] for r in rows]),
+           "f1_diff_noise": bootstrap_ci([r["text2"]["f1"] - r["text"]["f1"] for r in rows])}
+    for mode in kv_modes:
+        s = mode.removeprefix("kv")
+        out[f"same_answer_rel{s}"] = ratio_ci([float(r[f"same_answer{s}"]) for r in rows], noise)
     return out
 
 
@@ -85,6 +103,8 @@ def markdown(summary: dict, title: str) -> str:
         s = mode.removeprefix("kv")
         lines += [f"| {name} | {mode} | {_ci(g['top1_agree' + s])} | {_ci(g['top1_agree_tie' + s])} | "
                   f"{_ci(g['same_answer' + s])} |" for name, g in summary.items() if f"f1_{mode}" in g]
+    if "same_answer_noise" in summary["overall"]:
+        lines += _noise_lines(summary)
     for mode, what in VARIANTS.items():
         if not all(f"f1_{mode}" in g for g in summary.values()):
             continue
@@ -109,6 +129,18 @@ def markdown(summary: dict, title: str) -> str:
                   f"{_ci(g[f'top1_agree_lossless_{c}'])} |"
                   for c in codecs]
     return "\n".join(lines)
+
+
+def _noise_lines(summary: dict) -> list[str]:
+    kv_modes = [k.removeprefix("same_answer_rel") for k in summary["overall"] if k.startswith("same_answer_rel")]
+    lines = ["", "The engine's noise floor: text mode against its own second pass (prefix cache reset, other "
+             "concurrency, reverse order), and KV mode's same-answer rate relative to it:", "",
+             "| group | text vs text: same answer | top-1 agree | KL | F1 text2 - text | "
+             + " | ".join(f"kv{s} same answer / noise" for s in kv_modes) + " |", "|" + "---|" * (5 + len(kv_modes))]
+    lines += [f"| {name} | {_ci(g['same_answer_noise'])} | {_ci(g['top1_agree_noise'])} | {_ci(g['kl_noise'])} | "
+              f"{_ci(g['f1_diff_noise'])} | " + " | ".join(_ci(g[f'same_answer_rel{s}']) for s in kv_modes) + " |"
+              for name, g in summary.items()]
+    return lines
 
 
 def write(rows: list[dict], cfg, out: Path) -> str:

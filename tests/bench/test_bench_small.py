@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvmem.bench import eval_locomo, eval_report, load, locomo, oracle, ttft
+from kvmem.bench import eval_locomo, eval_report, load, locomo, noise_floor, oracle, ttft
 from kvmem.errors import InvalidInputError
 
 
@@ -79,6 +79,26 @@ def test_locomo_eval_tiny_is_sane_and_resumes(mem, tmp_path, locomo_path):
     for mode in ("text", "kv", "off"):
         assert 0.0 <= overall[f"f1_{mode}"][0] <= 1.0 and overall[f"ll_{mode}"][0] < 0
     assert "overall" in eval_report.markdown(summary, cfg.name)
+    # The noise floor: every question answered again in text mode, logged once, resumed.
+    second = noise_floor.log_path_of(tmp_path / eval_locomo.log_name(cfg, mem.model.fingerprint, None))
+    assert len(second.read_text().splitlines()) == 3
+    assert all(isinstance(r["same_answer_text2"], bool) and r["text2"]["first"] for r in again)
+    assert 0.0 <= overall["same_answer_noise"][0] <= 1.0 and "same_answer_rel" in overall
+    assert "noise floor" in eval_report.markdown(summary, cfg.name)
+
+
+def test_noise_floor_compares_the_second_text_pass_with_the_first():
+    first = {"1": -0.1, "2": -2.5}
+    rows = [{"key": "a", "text": {"answer": "Paris", "first": first}},
+            {"key": "b", "text": {"answer": "Rome", "first": first}},
+            {"key": "c", "text": {"answer": "Oslo", "first": first}}]
+    second = {"a": {"answer": "Paris", "f1": 1.0, "first": dict(first)},
+              "b": {"answer": "Lima", "f1": 0.0, "first": {"1": -2.5, "2": -0.1}}}
+    out = noise_floor.attach(rows, second)
+    assert out[0]["same_answer_text2"] and out[0]["top1_agree_text2"] and out[0]["kl_text_text2"] == 0
+    assert not out[1]["same_answer_text2"] and not out[1]["top1_agree_text2"] and out[1]["kl_text_text2"] > 0
+    assert "text2" not in out[2]  # not answered again yet: the report leaves the noise floor out
+    assert noise_floor.workers_for(4) == 1 and noise_floor.workers_for(1) > 1
 
 
 def test_locomo_eval_never_resumes_from_another_models_log(mem, tmp_path, locomo_path):
