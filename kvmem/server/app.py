@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from kvmem.config import Config
+from kvmem.mcp.server import HttpDoor
 from kvmem.server import errors, routes_chat, routes_mem0, routes_memory, routes_ops, ui
 from kvmem.server.metrics import Metrics
 from kvmem.server.middleware import BodyLimit, RequestContext
@@ -42,13 +43,16 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
             return KVMem(config, background=True)
 
     runtime = Runtime(mem_factory, settings.max_inflight, on_engine_failure)
+    keys = KeyRing(settings.api_keys)
+    mcp = HttpDoor(runtime, keys.tenant, host=settings.host)  # the MCP tools at /mcp (docs/agents.md)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # KVMem calls block a thread each: room for every admitted chat, and memory calls besides.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.max_inflight + 32
         runtime.start()
-        yield
+        async with mcp.running():
+            yield
         await run_in_threadpool(runtime.close, settings.graceful_timeout_s)
 
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -56,12 +60,13 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
                   lifespan=lifespan, **docs)
     app.state.settings = settings
     app.state.runtime = runtime
-    app.state.keys = KeyRing(settings.api_keys)
+    app.state.keys = keys
     app.state.metrics = Metrics(runtime)
     app.state.model_names = served_names(settings, config)
     errors.install(app)
     for module in (routes_chat, routes_memory, routes_mem0, routes_ops):
         app.include_router(module.router)
+    app.router.routes.append(mcp.route)
     if settings.ui:
         ui.install(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
