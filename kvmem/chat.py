@@ -29,6 +29,7 @@ from kvmem.facts.scope import Scope
 from kvmem.facts.store import FactRecord
 from kvmem.facts.text import check_fact_text, check_unicode
 from kvmem.keeper import BlobKeeper
+from kvmem.kv.fidelity import point
 from kvmem.kv.recompute import ENGINE_RULES, Recompute
 from kvmem.model import verdict
 from kvmem.results import ChatResult, Choice, ToolCallDelta
@@ -57,6 +58,7 @@ class ChatArgs:
     logprobs: int | None = None
     text_facts: int | None = None  # the last facts KV mode prefills as text (None: kv.text_facts)
     recompute: Recompute | None = None  # fact tokens recomputed at injection (None: kv.recompute, kv.recompute_rule)
+    fidelity: str | None = None  # a named point (kv/fidelity.py) instead of text_facts and recompute (None: kv's)
     sampling: Sampling = Sampling()  # greedy unless asked otherwise
     store: str = "none"  # write-back after the reply: "none", "user" (the last user turn) or "both" (+ reply)
     tools: Tools | None = None  # functions the reply may call (engine/tools.py)
@@ -76,6 +78,14 @@ class ChatArgs:
                                            or self.recompute.rule not in ENGINE_RULES):
             raise InvalidInputError(f"recompute must be None or a Recompute with a rule of {ENGINE_RULES}, "
                                     f"got {self.recompute!r}", param="recompute")
+        if self.fidelity is not None:
+            try:
+                point(self.fidelity)
+            except ValueError as e:
+                raise InvalidInputError(str(e), param="fidelity") from None
+            if self.text_facts is not None or self.recompute is not None:
+                raise InvalidInputError("fidelity names text_facts and recompute itself: give one or the others",
+                                        param="fidelity")
         if self.store not in STORE:
             raise InvalidInputError(f"store must be one of {STORE}, got {self.store!r}", param="store")
         if not isinstance(self.sampling, Sampling):
@@ -225,8 +235,7 @@ class Chats:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {args.max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}", param="messages",
                                     code=TOO_LONG)
-        text_facts = self.config.kv.text_facts if args.text_facts is None else args.text_facts
-        rec = args.recompute or self.config.kv.recompute_setting
+        text_facts, rec = _fidelity_of(args, self.config.kv)
         # The facts start after the head: where the reader's KV map begins (sent only when reading with it).
         plan = Plan(INJECT, injected(prompt.segments, text_facts), map_from=len(self.prompts.head_ids),
                     recompute=rec if rec.on else None) if args.mode == "kv" else None
@@ -335,6 +344,15 @@ class Chats:
         content = content.strip() if content else None
         reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
         return replace(c, answer=content or "", finish_reason=reason, tool_calls=calls, content=content)
+
+
+def _fidelity_of(args: ChatArgs, kv) -> tuple[int, Recompute]:
+    """(text_facts, recompute) of a chat: its own, else its fidelity point's, else the configured."""
+    if args.fidelity is not None:
+        chosen = point(args.fidelity)
+        return chosen.text_facts, chosen.recompute
+    text_facts = kv.text_facts_setting if args.text_facts is None else args.text_facts
+    return text_facts, args.recompute or kv.recompute_setting
 
 
 def injected(segments: tuple, text_facts: int) -> tuple:

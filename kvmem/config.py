@@ -132,11 +132,14 @@ class KVConfig:
       for a fixed cost of N facts' tokens whatever k is; measured in docs/benchmarks.md).
     recompute: the fraction of each injected fact's tokens the connector computes again, layer by
       layer, over the whole injected cache, so facts attend to the facts before them as in text
-      prefill (kv/recompute.py; 0: plain injection, 1: text prefill's KV). Off by default: on the
-      bundled model 15% adds no measurable fidelity to the reader map, and on a CPU it costs more
-      than prefilling the prompt as text (docs/benchmarks.md, "Selective recompute").
+      prefill (kv/recompute.py; 0: plain injection, 1: text prefill's KV, computed by the engine's
+      own attention kernel on the CPU backend). Off by default: it costs its share of a prefill
+      (docs/benchmarks.md, "Fidelity points").
     recompute_rule: which tokens: "deviation" (CacheBlend: those whose layer-1 keys differ most
       from fresh ones), "first" or "last" (of each fact).
+    fidelity: a named point instead of the three above (kv/fidelity.py): "fast" (plain
+      injection), "balanced" (15% recomputed, deviation) or "exact" (every fact token recomputed:
+      text prefill's arithmetic and compute). None: the three as set. Setting both is an error.
     """
 
     codec: str = "none"
@@ -148,9 +151,11 @@ class KVConfig:
     text_facts: int = 0
     recompute: float = 0.0
     recompute_rule: str = "deviation"
+    fidelity: str | None = None
 
     def __post_init__(self) -> None:
         from kvmem.kv.codec_names import check_codec  # not kv.codec: that imports torch
+        from kvmem.kv.fidelity import point
         from kvmem.kv.recompute import ENGINE_RULES, Recompute
 
         check_codec(self.codec)
@@ -160,6 +165,11 @@ class KVConfig:
         # bool is an int to Python, not a count: True must not mean "one fact".
         if not (isinstance(self.text_facts, int) and not isinstance(self.text_facts, bool) and self.text_facts >= 0):
             raise ValueError(f"kv.text_facts must be an int >= 0, got {self.text_facts!r}")
+        if self.fidelity is not None:
+            point(self.fidelity)  # ValueError naming the points
+            if (self.recompute, self.recompute_rule, self.text_facts) != (0.0, "deviation", 0):
+                raise ValueError(f"kv.fidelity {self.fidelity!r} sets kv.recompute, kv.recompute_rule and "
+                                 "kv.text_facts itself: set the point or those, not both")
         for name in ("disk_budget_mib", "tenant_quota_mib"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
@@ -167,10 +177,19 @@ class KVConfig:
 
     @property
     def recompute_setting(self):
-        """recompute and recompute_rule as the one value chats and plans carry (kv/recompute.py)."""
+        """recompute and recompute_rule (or the fidelity point's) as the one value chats and plans
+        carry (kv/recompute.py)."""
+        from kvmem.kv.fidelity import point
         from kvmem.kv.recompute import Recompute
 
-        return Recompute(self.recompute, self.recompute_rule)
+        return point(self.fidelity).recompute if self.fidelity else Recompute(self.recompute, self.recompute_rule)
+
+    @property
+    def text_facts_setting(self) -> int:
+        """text_facts, or the fidelity point's."""
+        from kvmem.kv.fidelity import point
+
+        return point(self.fidelity).text_facts if self.fidelity else self.text_facts
 
     @staticmethod
     def mib_to_bytes(mib: float | None) -> int | None:
@@ -384,6 +403,7 @@ ENV: dict[str, EnvVar] = {
     "kv.tenant_quota_mib": EnvVar("KVMEM_KV_TENANT_QUOTA_MIB", _mib_or_none, blank_unset=True),
     "kv.shared_url": EnvVar("KVMEM_KV_SHARED_URL", str, blank_unset=True),
     "kv.text_facts": EnvVar("KVMEM_KV_TEXT_FACTS", int),
+    "kv.fidelity": EnvVar("KVMEM_KV_FIDELITY", str, blank_unset=True),
     "retrieval.mode": EnvVar("KVMEM_RETRIEVAL", str),
     "retrieval.depth": EnvVar("KVMEM_RETRIEVAL_DEPTH", int),
     "retrieval.dense_weight": EnvVar("KVMEM_RETRIEVAL_DENSE_WEIGHT", float),

@@ -49,6 +49,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "text_facts": ("kv.text_facts", "--text-facts"),
     "recompute": ("kv.recompute", "--recompute"),
     "recompute_rule": ("kv.recompute_rule", "--recompute-rule"),
+    "fidelity": ("kv.fidelity", "--fidelity"),
     "max_model_len": ("engine.max_model_len", "--max-model-len"),
     "gpu_memory_utilization": ("engine.gpu_memory_utilization", "--gpu-memory-utilization"),
     "dtype": ("engine.dtype", "--dtype"),

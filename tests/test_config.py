@@ -43,6 +43,38 @@ def test_kv_text_facts_comes_from_the_environment_and_must_be_a_count(monkeypatc
         KVConfig(text_facts=True)  # as the service refuses it per chat
 
 
+def test_kv_fidelity_names_a_point_that_sets_recompute_and_text_facts(monkeypatch):
+    from kvmem.kv.fidelity import POINTS
+    from kvmem.kv.recompute import Recompute
+
+    plain = KVConfig()
+    assert plain.fidelity is None and plain.recompute_setting == Recompute(0.0) and plain.text_facts_setting == 0
+    monkeypatch.setenv("KVMEM_KV_FIDELITY", "exact")
+    exact = Config.from_env().kv
+    assert exact.recompute_setting == Recompute(1.0, "first") == POINTS["exact"].recompute
+    assert KVConfig(fidelity="balanced").recompute_setting == Recompute(0.15, "deviation")
+    assert KVConfig(fidelity="fast").recompute_setting.on is False
+    with pytest.raises(ValueError, match="fidelity must be one of"):
+        KVConfig(fidelity="best")
+    for given in (dict(recompute=0.3), dict(text_facts=2), dict(recompute_rule="first")):
+        with pytest.raises(ValueError, match="set the point or those, not both"):
+            KVConfig(fidelity="exact", **given)
+
+
+def test_a_chat_takes_a_fidelity_point_or_its_parts_not_both():
+    from kvmem.chat import ChatArgs
+    from kvmem.errors import InvalidInputError
+    from kvmem.kv.recompute import Recompute
+
+    ChatArgs("u", fidelity="balanced").check()
+    with pytest.raises(InvalidInputError, match="fidelity must be one of") as e:
+        ChatArgs("u", fidelity="precise").check()
+    assert e.value.param == "fidelity"
+    for given in (dict(text_facts=1), dict(recompute=Recompute(0.5, "first"))):
+        with pytest.raises(InvalidInputError, match="give one or the others"):
+            ChatArgs("u", fidelity="exact", **given).check()
+
+
 # -- the overlay every command builds its Config with (kvmem/config_overlay.py) -------------------
 
 

@@ -317,6 +317,7 @@ def _codec_list(text: str) -> tuple[str, ...]:
 
 def recompute_options(p) -> None:
     """--recompute / --recompute-rule, which reach config.kv through the overlay (config_overlay.FLAGS)."""
+    from kvmem.kv.fidelity import POINTS
     from kvmem.kv.recompute import ENGINE_RULES
 
     p.add_argument("--recompute", type=float, default=None,
@@ -324,6 +325,9 @@ def recompute_options(p) -> None:
                         "kv.recompute, KVMEM_KV_RECOMPUTE, 0)")
     p.add_argument("--recompute-rule", choices=ENGINE_RULES, default=None,
                    help="which tokens are recomputed (default: the configured kv.recompute_rule, deviation)")
+    p.add_argument("--fidelity", choices=tuple(POINTS), default=None,
+                   help="a named point instead of --recompute/--recompute-rule/--text-facts: fast, balanced "
+                        "or exact (kv.fidelity; docs/benchmarks.md, \"Fidelity points\")")
 
 
 def cmd_locomo(args, config) -> int:
@@ -332,7 +336,7 @@ def cmd_locomo(args, config) -> int:
     # --text-facts reached config.kv.text_facts through the overlay (config_overlay.FLAGS).
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
                                  seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs,
-                                 text_facts=config.kv.text_facts, observation_window=args.observation_window,
+                                 text_facts=config.kv.text_facts_setting, observation_window=args.observation_window,
                                  observation_origin=args.observation_origin,
                                  recompute=config.kv.recompute_setting.tag, noise_floor=args.noise_floor)
     with _open(config) as mem:

@@ -219,7 +219,7 @@ def _modes(mem) -> dict[str, tuple[str, dict]]:
     modes = {m: (m, {}) for m in MODES}
     if mem.engine.reader_adapter:
         modes["kv_plain"] = ("kv", {"reader": False})
-    if mem.config.kv.recompute > 0:
+    if mem.config.kv.recompute_setting.on:
         modes["kv_norc"] = ("kv", {"recompute": Recompute(0.0)})
     return modes
 

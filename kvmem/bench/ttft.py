@@ -43,7 +43,7 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
     # With kv.text_facts or kv.recompute, "kv" prefills its last facts as text or recomputes some
     # fact tokens, and "kv_all" injects every fact plainly: their cost.
     plain = Recompute(0.0)
-    others += ("kv_all",) if mem.config.kv.text_facts or mem.config.kv.recompute else ()
+    others += ("kv_all",) if mem.config.kv.text_facts_setting or mem.config.kv.recompute_setting.on else ()
     rows = []
     for k in tqdm(ks, desc="bench ttft", unit="k"):
         times = {m: [] for m in ("text", "kv", *others, "cached", "facts_hit")}
@@ -75,7 +75,7 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
     k0 = next((r for r in rows if r["k"] == 0), None)
     growth = {m: rows[-1][m]["median"] / k0[m]["median"] for m in ("kv", "cached")} if k0 else {}
     return {"bench": "ttft", "reader_adapter": str(mem.engine.reader_adapter or ""),
-            "text_facts": mem.config.kv.text_facts,
+            "text_facts": mem.config.kv.text_facts_setting,
             "recompute": mem.config.kv.recompute_setting.tag, "facts_pool": len(ids), "reps": reps, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "encode_seconds": added.encode.seconds if added.encode else None, "rows": rows,
             "kv_growth_max_k_over_k0": growth.get("kv"), "cached_growth_max_k_over_k0": growth.get("cached")}

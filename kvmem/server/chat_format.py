@@ -88,6 +88,7 @@ def _scope(body: ChatRequest, tenant: Tenant) -> dict:
         return {"user_id": tenant.anonymous, "mode": "off"}
     return {"user_id": tenant.user_id(user, param), "agent_id": opts.agent_id, "run_id": opts.run_id,
             "k": opts.k, "mode": opts.mode, "filters": opts.filters, "text_facts": opts.text_facts,
+            "fidelity": opts.fidelity,
             "store": opts.store}
 
 
@@ -157,7 +158,8 @@ def usage(result) -> dict:
 
 def memory_info(result) -> dict:
     return {"mode": result.mode, "fact_ids": list(result.fact_ids), "injected_tokens": result.injected_tokens,
-            "fallbacks": result.fallbacks, "ttft_ms": round(result.ttft_s * 1000, 3),
+            "fallbacks": result.fallbacks, "recomputed_tokens": result.recomputed_tokens,
+            "ttft_ms": round(result.ttft_s * 1000, 3),
             "stored": list(getattr(result, "stored", ()))}
 
 

@@ -57,6 +57,7 @@ class MemoryOptions(_Strict):
     mode: Mode = "kv"
     filters: dict[str, Any] | None = None
     text_facts: int | None = Field(None, ge=0, le=MAX_K)  # None: the server's kv.text_facts
+    fidelity: Literal["fast", "balanced", "exact"] | None = None  # None: the server's kv.fidelity (kv/fidelity.py)
     # Write-back after the reply: the last user turn ("user"), and the reply ("both"), stored as
     # facts of the scope and encoded in the background; the response's memory.stored lists them.
     store: Literal["none", "user", "both"] = "none"

@@ -96,3 +96,15 @@ def test_recompute_refusal_reason_is_recorded_for_unknown_structures():
     found = Recomputer.find({"model.layers.0.attn": attn}, ["model.layers.0.attn"], [attn])
     assert isinstance(found, str) and "no decoder stack" in found
 
+
+
+def test_a_fidelity_point_sets_the_chats_recompute(mem, facts):
+    """kv/fidelity.py's points, per chat: fast injects plainly, balanced recomputes CacheBlend's
+    15% of each fact, exact every fact token (text prefill's answer: test above)."""
+    lengths = [len(tokens(mem, mem.get(i))) for i in facts]
+    got = {name: mem.chat(Q, user_id="recompute", fact_ids=facts, mode="kv", max_tokens=2, fidelity=name)
+           for name in ("fast", "balanced", "exact")}
+    assert got["fast"].recomputed_tokens == 0
+    assert got["balanced"].recomputed_tokens == sum(Recompute(0.15).count(n) for n in lengths)
+    assert got["exact"].recomputed_tokens == sum(lengths)
+    assert all(r.fallbacks == 0 and r.injected_tokens > 0 for r in got.values())

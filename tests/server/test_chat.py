@@ -92,6 +92,27 @@ def test_memory_text_facts_prefills_the_last_facts_as_text(openai_client, alpha)
     assert injected(0) > injected(1) > injected(2, stream=True) > 0
 
 
+def test_memory_fidelity_names_a_point_per_chat(openai_client, alpha):
+    """memory.fidelity (kv/fidelity.py) through the SDK: "exact" recomputes every fact token the
+    chat injects, "fast" none; an unknown point is a 400 naming the field."""
+    import openai
+    import pytest
+
+    def recomputed(point: str) -> int:
+        user = f"chat-user-fidelity-{point}"
+        _store(alpha, user)
+        memory = {"user_id": user, "k": 2, "mode": "kv", "fidelity": point}
+        r = openai_client.chat.completions.create(model="kvmem", messages=[{"role": "user", "content": QUESTION}],
+                                                  max_tokens=2, extra_body={"memory": memory})
+        assert r.model_extra["memory"]["injected_tokens"] > 0
+        return r.model_extra["memory"]["recomputed_tokens"]
+
+    assert recomputed("fast") == 0 and recomputed("exact") > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        recomputed("perfect")
+    assert e.value.body["param"] == "memory.fidelity"
+
+
 def test_auto_mode_through_the_sdk_serves_text_until_the_model_is_verified(openai_client, alpha, servers):
     """memory.mode "auto" as the openai SDK sends it (extra_body): text with no `kvmem verify`
     verdict for the served model, KV once one passed; the reply names the mode served."""
