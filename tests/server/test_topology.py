@@ -5,7 +5,9 @@ gateways (`kvmem gateway`, each with its own data folder). Everything is a real 
 Shown here: a fact added through gateway A is answered through gateway B in KV mode; forgetting
 through one gateway removes the fact from PostgreSQL, Redis and every replica's local folder; a
 replica SIGKILLed under a bounded load loses no acknowledged write, and every chat completes (on
-the other replica, which pulls the blobs it lacks from Redis) or gets a clear 503.
+the other replica, which pulls the blobs it lacks from Redis) or gets a clear 503. An agent's MCP
+client at a gateway's /mcp (a third gateway, the one with API keys) stores facts in the same
+PostgreSQL, encoded by the replicas, that its tenant's chats inject, and another tenant sees none.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvmem.engine.remote import rendezvous
 from kvmem.bench.servers import KvmemProcess
 
 START_S = 600  # cold CPU starts of vLLM: ~1 minute each here, more on a loaded CI machine
+KEYS = {"alpha": "sk-topology-alpha", "beta": "sk-topology-beta"}  # the keyed gateway's tenants
 ENV = {"KVMEM_READER_ADAPTER": "off",  # LoRA slows CPU decode steps; the adapter is tested elsewhere
        "KVMEM_GPU_MEMORY_UTILIZATION": "0.1"}  # two replicas share this host's memory (CPU: a share of RAM)
 
@@ -67,8 +70,25 @@ def topology(tmp_path_factory, postgres_url, redis_url):
             p.stop()
 
 
-def _client(proc: KvmemProcess) -> httpx.Client:
-    return httpx.Client(base_url=proc.url, timeout=300)
+@pytest.fixture(scope="module")
+def keyed_gateway(topology, tmp_path_factory):
+    """One more gateway on the topology's replicas, PostgreSQL and Redis, with API keys (A and B
+    are open, so every caller is one tenant there). It starts no engine: it sends to the replicas."""
+    urls = ",".join(r.url for r in topology["replicas"])
+    env = {"KVMEM_KV_SHARED_URL": topology["redis_url"],
+           "KVMEM_API_KEYS": ",".join(f"{tenant}={key}" for tenant, key in KEYS.items())}
+    gateway = _start("gateway-keyed", tmp_path_factory.mktemp("gateway-keyed"),
+                     ["gateway", "--replicas", urls, "--database-url", topology["db_url"]], env)
+    try:
+        _wait(gateway, "/health")
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def _client(proc: KvmemProcess, tenant: str | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else {}
+    return httpx.Client(base_url=proc.url, timeout=300, headers=headers)
 
 
 def _add(gateway: KvmemProcess, user: str, facts: list[str]) -> list[str]:
@@ -235,6 +255,53 @@ def _fingerprint() -> str:
     from kvmem.model import resolve_model
 
     return resolve_model(None, default_home() / "models").fingerprint
+
+
+
+def test_an_mcp_client_at_a_gateway_stores_in_the_shared_store_its_tenant_only(topology, keyed_gateway):
+    """The `mcp` SDK's client at a gateway's /mcp, as tests/mcp/test_http.py connects to `kvmem serve`:
+    the tools list, a memory added and found, the row in the topology's PostgreSQL under the
+    tenant's user id, its blob encoded by a replica and injected in the tenant's KV-mode chat;
+    another tenant's key, same user id, reaches none of it."""
+    import anyio
+    import psycopg
+
+    from tests.mcp import contract
+    from tests.mcp.test_http import session
+
+    user = f"mcp-{uuid.uuid4().hex[:6]}"
+    text = "My bicycle is a green Brompton called Fern."
+
+    async def scenario():
+        async with session(keyed_gateway, KEYS["alpha"], user) as alpha:
+            await contract.lists_the_tools(alpha)
+            added = await contract.call(alpha, "add_memory", text=text, metadata={"topic": "bike"})
+            ((fact, event),) = [(r["id"], r["event"]) for r in added["results"]]
+            hits = (await contract.call(alpha, "search_memories", query="What bicycle do I ride?", limit=1))["results"]
+            async with session(keyed_gateway, KEYS["beta"], user) as beta:
+                assert (await contract.call(beta, "search_memories", query="What bicycle do I ride?"))["results"] == []
+                assert "not_found" in await contract.error(beta, "get_memory", memory_id=fact)
+                await contract.another_tenant_sees_nothing(alpha, beta)  # list, search, get, update, delete
+        return fact, event, hits
+
+    fact, event, hits = anyio.run(scenario)
+    assert event == "ADD"
+    assert [(h["id"], h["memory"], h["user_id"], h["metadata"]) for h in hits] == [(fact, text, user, {"topic": "bike"})]
+    with psycopg.connect(topology["db_url"]) as conn:  # the gateways' one fact store
+        row = conn.execute("SELECT user_id, text FROM facts WHERE id = %s", (fact,)).fetchone()
+    assert row == (f"alpha::{user}", text)
+    # add_memory encodes in the background: a replica makes the blob and keeps a local copy.
+    _until(lambda: any(_blob_files(r, fact) for r in topology["replicas"]), timeout=120,
+           what="a replica encoding the MCP-added fact")
+    with _client(keyed_gateway, "alpha") as c:
+        _until(lambda: c.get(f"/v1/memories/{fact}").json()["kv_status"] == "encoded", timeout=60,
+               what="the fact's kv_status turning encoded")
+        kv = _chat(c, user, "What is my bicycle called?").json()
+    assert kv["memory"]["fact_ids"] == [fact] and kv["memory"]["fallbacks"] == 0, kv
+    assert kv["memory"]["injected_tokens"] > 0
+    with _client(keyed_gateway, "beta") as c:
+        assert c.get(f"/v1/memories/{fact}").status_code == 404
+        assert c.post("/v1/memories/search", json={"user_id": user, "query": "bicycle"}).json()["results"] == []
 
 
 def test_a_replica_sigkilled_under_load_loses_no_acknowledged_write(topology):
