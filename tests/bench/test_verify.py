@@ -61,6 +61,12 @@ def test_verify_passes_on_the_session_engine_then_auto_serves_kv(mem, no_verdict
     assert ROWS <= rows.keys() and rows["fidelity, reader adapter"]["value"] == "none"  # the session engine has none
     assert rows["fidelity, no reader: first-token agreement"]["gate"]  # then plain KV is what is served
     assert rows["k=1 injection oracle"]["passed"] and rows["k=10 true-prefix oracle"]["passed"]
+    # The fidelity points are reported beside what is served; "exact" is text prefill's arithmetic
+    # on the CPU backend: within the engine's own noise of it.
+    for point in ("balanced", "exact"):
+        assert not rows[f"fidelity point {point}: first-token agreement"]["gate"]
+    assert rows["fidelity point exact: gap to text prefill"]["passed"], rows["fidelity point exact: gap to text prefill"]
+    assert rows["fidelity point exact: first-token agreement"]["value"] == 1.0
     assert not mem.get_all(user_id=f"{verify.USER}-k1")  # its facts are gone again
 
     after = mem.chat(Q, user_id=user, mode="auto", max_tokens=4)
