@@ -25,14 +25,14 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     t.add_argument("--ks", type=_ints, default=(0, 5, 10, 25, 50, 100), help="comma-separated k values")
     t.add_argument("--reps", type=int, default=7, help="repetitions per k and mode (default: 7)")
     recompute_options(t)
-    data_options(t, "ttft")
+    data_options(t, "ttft", synthetic=True)
     t.set_defaults(func=cmd_ttft)
     ld = bench.add_parser("load", help="throughput with concurrent users, k facts each")
     ld.add_argument("--users", type=_ints, default=(1, 4, 16, 32), help="comma-separated concurrency levels")
     ld.add_argument("-k", type=int, default=50)
     ld.add_argument("--requests", type=int, default=4, help="requests per user per level and mode (default: 4)")
     ld.add_argument("--max-tokens", type=int, default=16)
-    data_options(ld, "load")
+    data_options(ld, "load", synthetic=True)
     ld.set_defaults(func=cmd_load)
     ca = bench.add_parser("cache", help="TTFT and disk hit rate under disk budgets, Zipf workload over many users")
     ca.add_argument("--users", type=int, default=40)
@@ -162,8 +162,16 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     return bench
 
 
-def data_options(p, name: str) -> None:
-    p.add_argument("--data", type=Path, default=locomo.DEFAULT_PATH, help="LoCoMo JSON (read by path, never copied)")
+def data_options(p, name: str, *, synthetic: bool = False) -> None:
+    """synthetic: --data left out reads the synthetic tuning set kvmem ships (results <name>-synthetic.*)."""
+    if synthetic:
+        p.add_argument("--data", type=Path, default=None,
+                       help="LoCoMo JSON, read by path, never copied (default: the synthetic LoCoMo-shaped tuning "
+                            "set kvmem ships, kvmem/tune/data/tuning_set.json, results named "
+                            f"{name}-synthetic.*)")
+    else:
+        p.add_argument("--data", type=Path, default=locomo.DEFAULT_PATH,
+                       help="LoCoMo JSON (read by path, never copied)")
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     p.add_argument("--seed", type=int, default=0)
 
@@ -179,22 +187,32 @@ def _open(config, *, reader: bool = True):
     return KVMem(config, background=False)
 
 
+def bench_data(args, name: str) -> tuple[Path, Path]:
+    """(data file, results stem) of a bench whose --data defaults to the synthetic set, checked
+    before the engine starts. Synthetic runs write <name>-synthetic.*, never over LoCoMo's results."""
+    path, which = locomo.bench_data(args.data)
+    print(locomo.describe_data(which, path), flush=True)
+    return path, (args.out or RESULTS) / (name if which == locomo.LOCOMO else f"{name}-{which}")
+
+
 def cmd_ttft(args, config) -> int:
     from kvmem.bench import ttft
 
+    data, out = bench_data(args, "ttft")
     with _open(config) as mem:
-        result = ttft.run(mem, data=args.data, ks=args.ks, reps=args.reps, seed=args.seed)
-    print(ttft.report(result, (args.out or RESULTS) / "ttft"))
+        result = ttft.run(mem, data=data, ks=args.ks, reps=args.reps, seed=args.seed)
+    print(ttft.report(result, out))
     return 0
 
 
 def cmd_load(args, config) -> int:
     from kvmem.bench import load
 
+    data, out = bench_data(args, "load")
     with _open(config) as mem:
-        result = load.run(mem, data=args.data, levels=args.users, k=args.k, requests=args.requests,
+        result = load.run(mem, data=data, levels=args.users, k=args.k, requests=args.requests,
                           max_tokens=args.max_tokens, seed=args.seed)
-    print(load.report(result, (args.out or RESULTS) / "load"))
+    print(load.report(result, out))
     return 0
 
 

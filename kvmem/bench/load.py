@@ -1,6 +1,7 @@
 """`kvmem bench load`: throughput and TTFT with many concurrent users, KV injection vs text prefill.
 
-Each simulated user has their own memory (LoCoMo observations) and runs a closed loop: ask,
+Each simulated user has their own memory (observations of the synthetic tuning set kvmem ships, or
+of LoCoMo with --data) and runs a closed loop: ask,
 wait for the answer, ask again, each time with k of their facts in a new random order. All
 users of one level run at once (threads; the engine batches them). Text and KV mode run the
 same workload one after the other.
@@ -22,7 +23,7 @@ DEFAULT_USERS = (1, 4, 16, 32)
 
 def setup(mem, data, users: int, pool: int, seed: int) -> tuple[dict[str, list[str]], list[str]]:
     convs = locomo.load(data)
-    texts = [o.text for c in convs for o in locomo.observations(c)]
+    texts = list(dict.fromkeys(o.text for c in convs for o in locomo.observations(c)))  # distinct facts
     questions = [q["question"] for c in convs for q in locomo.questions(c)]
     rng = random.Random(seed)
     facts = {}
@@ -63,9 +64,11 @@ def run_level(mem, facts: dict[str, list[str]], questions, users: int, mode: str
             "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99)}
 
 
-def run(mem, *, data, levels=DEFAULT_USERS, k: int = 50, requests: int = 4, max_tokens: int = 16,
+def run(mem, *, data=None, levels=DEFAULT_USERS, k: int = 50, requests: int = 4, max_tokens: int = 16,
         seed: int = 0) -> dict:
-    facts, questions = setup(mem, data, max(levels), pool=k + 20, seed=seed)
+    """`data`: a LoCoMo(-shaped) file; None reads the synthetic tuning set kvmem ships."""
+    path, which = locomo.bench_data(data)
+    facts, questions = setup(mem, path, max(levels), pool=k + 20, seed=seed)
     for mode in ("text", "kv"):  # warm-up
         run_level(mem, facts, questions, 1, mode, k, 1, max_tokens, seed)
     rows = []
@@ -75,7 +78,7 @@ def run(mem, *, data, levels=DEFAULT_USERS, k: int = 50, requests: int = 4, max_
         rows.append({"users": users, **per_mode,
                      "throughput_ratio": per_mode["kv"]["requests_per_s"] / per_mode["text"]["requests_per_s"],
                      "ttft_p50_ratio": per_mode["text"]["ttft_p50"] / per_mode["kv"]["ttft_p50"]})
-    return {"bench": "load", "k": k, "requests_per_user": requests, "max_tokens": max_tokens, "seed": seed,
+    return {"bench": "load", "data": which, "data_path": str(path), "k": k, "requests_per_user": requests, "max_tokens": max_tokens, "seed": seed,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
 
 
@@ -84,7 +87,8 @@ def report(result: dict, out) -> str:
     users = [r["users"] for r in result["rows"]]
     plot_lines(out.with_suffix(".png"), users, {m: [r[m]["requests_per_s"] for r in result["rows"]] for m in ("text", "kv")},
                "concurrent users", "requests / s", f"Throughput at k={result['k']}: text prefill vs KV injection")
-    lines = ["| users | mode | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | errors |", "|---|---|---|---|---|---|---|"]
+    lines = [locomo.describe_data(result["data"], result["data_path"]), "",
+             "| users | mode | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | errors |", "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         for m in ("text", "kv"):
             x = r[m]

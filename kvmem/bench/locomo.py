@@ -1,4 +1,5 @@
-"""Reading LoCoMo by path (CC BY-NC: never copied into this repository)."""
+"""Reading LoCoMo by path (CC BY-NC: never copied into this repository), and the synthetic
+LoCoMo-shaped set kvmem ships in its place."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from kvmem.errors import InvalidInputError
 from kvmem.facts import messages
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "locomo" / "locomo_dev.json"
+# The synthetic tuning set kvmem ships (package data of kvmem.tune, written by kvmem/tune/tuning_set.py:
+# made-up conversations in LoCoMo's shape, no outside data). `bench ttft` and `bench load` read it
+# when given no --data, `tune-reader` trains on it. Located here, below kvmem.tune in the layers,
+# so that the benches reach it without importing upward.
+SYNTHETIC_PATH = Path(__file__).resolve().parents[1] / "tune" / "data" / "tuning_set.json"
+SYNTHETIC, LOCOMO = "synthetic", "locomo"
 
 
 @dataclass(frozen=True)
@@ -23,12 +30,33 @@ class Observation:
 
 
 def load(path: Path | str = DEFAULT_PATH) -> list[dict]:
-    path = Path(path)
+    return json.loads(_found(Path(path)).read_text())
+
+
+def bench_data(path: Path | str | None) -> tuple[Path, str]:
+    """(file, which set: SYNTHETIC or LOCOMO) a bench reads: the synthetic set kvmem ships when no
+    path is given, else that file, checked now (a missing one is an error naming it, never a
+    fallback to the synthetic set)."""
+    if path is None:
+        return SYNTHETIC_PATH, SYNTHETIC
+    path = _found(Path(path))
+    return path, SYNTHETIC if path.resolve() == SYNTHETIC_PATH else LOCOMO
+
+
+def describe_data(which: str, path: Path | str) -> str:
+    """One line for a bench's output: which data its figures come from."""
+    if which == SYNTHETIC:
+        return (f"data: the synthetic tuning set kvmem ships ({path}), not LoCoMo: figures are not comparable "
+                "with the README's; pass --data PATH to read LoCoMo")
+    return f"data: LoCoMo ({path})"
+
+
+def _found(path: Path) -> Path:
     if not path.is_file():
         raise InvalidInputError(
             f"LoCoMo data not found at {path}. kvmem does not ship it (CC BY-NC): download locomo10.json "
             "from the LoCoMo repository (snap-research/locomo on GitHub) and pass --data PATH", param="path")
-    return json.loads(path.read_text())
+    return path
 
 
 def observations(conversation: dict) -> list[Observation]:

@@ -28,9 +28,12 @@ USER = "bench-ttft"
 DEFAULT_KS = (0, 5, 10, 25, 50, 100)
 
 
-def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict:
-    convs = locomo.load(data)
-    facts = [o.text for c in convs for o in locomo.observations(c)][: max(max(ks) * 2, 50)]
+def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict:
+    """`data`: a LoCoMo(-shaped) file; None reads the synthetic tuning set kvmem ships."""
+    path, which = locomo.bench_data(data)
+    convs = locomo.load(path)
+    # Distinct texts (the synthetic set repeats a few): a sample of k ids is k different facts.
+    facts = list(dict.fromkeys(o.text for c in convs for o in locomo.observations(c)))[: max(max(ks) * 2, 50)]
     questions = [q["question"] for c in convs[:1] for q in locomo.questions(c)]
     mem.delete_all(user_id=USER)
     added = mem.add(facts=facts, user_id=USER)
@@ -74,7 +77,7 @@ def run(mem, *, data: Path, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict
         rows.append(row)
     k0 = next((r for r in rows if r["k"] == 0), None)
     growth = {m: rows[-1][m]["median"] / k0[m]["median"] for m in ("kv", "cached")} if k0 else {}
-    return {"bench": "ttft", "reader_adapter": str(mem.engine.reader_adapter or ""),
+    return {"bench": "ttft", "data": which, "data_path": str(path), "reader_adapter": str(mem.engine.reader_adapter or ""),
             "text_facts": mem.config.kv.text_facts_setting,
             "recompute": mem.config.kv.recompute_setting.tag, "facts_pool": len(ids), "reps": reps, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "encode_seconds": added.encode.seconds if added.encode else None, "rows": rows,
@@ -104,7 +107,8 @@ def report(result: dict, out: Path) -> str:
     plot_lines(out.with_suffix(".png"), ks,
                {label: [r[m]["median"] * 1000 for r in result["rows"]] for m, label in _LABELS.items()},
                "facts injected (k)", "median TTFT (ms)", "TTFT vs k: text prefill, KV injection, prefix-cache hit")
-    lines = ["| k | prompt tokens | text median (p90) ms | kv median (p90) ms | prefix-cache hit median (p90) ms "
+    lines = [locomo.describe_data(result["data"], result["data_path"]), "",
+             "| k | prompt tokens | text median (p90) ms | kv median (p90) ms | prefix-cache hit median (p90) ms "
              "| facts hit, new question, median (p90) ms | text/kv [95% CI] | kv/hit | kv/facts hit |",
              "|---|---|---|---|---|---|---|---|---|"]
     ms = lambda s: f"{s['median'] * 1e3:.1f} ({s['p90'] * 1e3:.1f})"  # noqa: E731

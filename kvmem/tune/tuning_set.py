@@ -23,7 +23,9 @@ import random
 from datetime import date, timedelta
 from pathlib import Path
 
-PATH = Path(__file__).resolve().parent / "data" / "tuning_set.json"
+from kvmem.bench.locomo import SYNTHETIC_PATH
+
+PATH = SYNTHETIC_PATH  # located in kvmem.bench.locomo, where the benches (a layer below) read it too
 CONVERSATIONS = 16
 SEED = 0
 

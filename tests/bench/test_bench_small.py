@@ -65,6 +65,38 @@ def test_load_bench_tiny(mem, tmp_path, locomo_path):
     assert (tmp_path / "load.png").exists()
 
 
+def test_ttft_and_load_benches_read_the_synthetic_set_kvmem_ships_when_given_no_data(mem, tmp_path):
+    result = ttft.run(mem, ks=(0, 2), reps=1)
+    assert (result["data"], result["data_path"]) == ("synthetic", str(locomo.SYNTHETIC_PATH))
+    assert [r["k"] for r in result["rows"]] == [0, 2] and result["rows"][1]["kv"]["n"] == 1
+    text = ttft.report(result, tmp_path / "ttft")
+    assert text.startswith("data: the synthetic tuning set kvmem ships") and "| 2 |" in text
+    assert json.loads((tmp_path / "ttft.json").read_text())["data"] == "synthetic"
+    result = load.run(mem, levels=(1,), k=2, requests=1, max_tokens=2)
+    assert result["data"] == "synthetic" and result["rows"][0]["kv"]["errors"] == []
+    assert load.report(result, tmp_path / "load").startswith("data: the synthetic tuning set kvmem ships")
+
+
+def test_ttft_and_load_benches_name_a_missing_data_file_and_never_fall_back(tmp_path):
+    from kvmem.bench import cli
+    from kvmem.cli import build_parser
+
+    missing = tmp_path / "nowhere" / "locomo_dev.json"
+    for bench in (lambda: ttft.run(None, data=missing), lambda: load.run(None, data=missing)):
+        with pytest.raises(InvalidInputError, match=str(missing)):
+            bench()  # raised before the bench touches its service
+    for name in ("ttft", "load"):
+        args = build_parser().parse_args(["bench", name, "--out", str(tmp_path)])
+        assert args.data is None
+        assert cli.bench_data(args, name) == (locomo.SYNTHETIC_PATH, tmp_path / f"{name}-synthetic")
+        with pytest.raises(InvalidInputError, match=str(missing)):  # checked before the engine starts
+            cli.bench_data(build_parser().parse_args(["bench", name, "--data", str(missing)]), name)
+    lo = tmp_path / "locomo.json"
+    lo.write_text("[]")
+    args = build_parser().parse_args(["bench", "ttft", "--data", str(lo)])
+    assert cli.bench_data(args, "ttft") == (lo, cli.RESULTS / "ttft")  # LoCoMo's results keep their names
+
+
 def test_locomo_eval_tiny_is_sane_and_resumes(mem, tmp_path, locomo_path):
     cfg = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=3, workers=2)
     rows = eval_locomo.run(mem, cfg, tmp_path)
