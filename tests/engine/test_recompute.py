@@ -19,6 +19,13 @@ def facts(mem):
     return list(result.ids)
 
 
+def _engine_kernel_backend() -> bool:
+    """Whether recompute runs the engine's own attention kernel here (vLLM's CPU backend)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _fact_tokens(mem, ids):
     return sum(len(tokens(mem, mem.get(i))) for i in ids)
 
@@ -72,11 +79,15 @@ def test_recomputing_every_fact_token_matches_text_prefill(mem, facts, served):
         noise = max(noise, logprob_gap(alone.first_logprobs, text.first_logprobs))
     gap = logprob_gap(text.first_logprobs, full.first_logprobs)
     plain_gap = logprob_gap(text.first_logprobs, plain.first_logprobs)
+    # CUDA (tests/gpu runs this too): recompute attends in float32 over the gathered context, not
+    # through the engine's kernel (connector/recompute_attention.py), so one bf16 rounding of the
+    # logits more is allowed there, as injection's own oracle allows.
+    slack = 0.0 if _engine_kernel_backend() else 0.05
     print(f"\nk=6 first-token top-20 gap ({served}): recompute 100% {gap:.4f}, plain KV {plain_gap:.4f}, "
-          f"engine's own noise {noise:.4f}")
-    assert gap <= 2 * noise, (gap, noise)
+          f"engine's own noise {noise:.4f}, bound {2 * noise + slack:.4f}")
+    assert gap <= 2 * noise + slack, (gap, noise)
     assert plain_gap > gap  # the facts read apart are not already text prefill
-    if noise == 0:  # a bit-exact engine: the answer is text's, token for token
+    if noise == 0 and not slack:  # a bit-exact engine: the answer is text's, token for token
         assert full.token_ids == text.token_ids
 
 
