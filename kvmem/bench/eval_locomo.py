@@ -22,7 +22,7 @@ from tqdm import tqdm
 from kvmem.bench import locomo, noise_floor
 from kvmem.bench.eval_extract import TURNS_PER_ADD, extract_conversation, user_of
 from kvmem.bench.eval_report import VARIANTS
-from kvmem.bench.metrics import locomo_f1, top20_kl
+from kvmem.bench.metrics import first_token, locomo_f1
 from kvmem.errors import InvalidInputError
 
 MODES = ("text", "kv", "off")
@@ -200,11 +200,11 @@ def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | Non
         row[f"kv_{codec}"] = {"answer": r.answer, "f1": locomo_f1(r.answer, gold, q["category"]),
                               "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s,
                               "first": {str(t): v for t, v in r.first_logprobs.items()}}
-        row[f"top1_agree_lossless_{codec}"] = _first_token(row["kv"]["first"], row[f"kv_{codec}"]["first"])[0]
+        row[f"top1_agree_lossless_{codec}"] = first_token(row["kv"]["first"], row[f"kv_{codec}"]["first"])[0]
     for mode in ("kv", *VARIANTS, *(f"kv_{c}" for c in (copies or {}))):
         suffix = mode.removeprefix("kv")
         if mode in row:
-            row["top1_agree" + suffix], row["kl_text_kv" + suffix] = _first_token(row["text"]["first"], row[mode]["first"])
+            row["top1_agree" + suffix], row["kl_text_kv" + suffix] = first_token(row["text"]["first"], row[mode]["first"])
             row["top1_agree_tie" + suffix] = _tie_aware(row["text"]["first"], row[mode]["first"])
             row["same_answer" + suffix] = row[mode]["answer"] == row["text"]["answer"]
     return row
@@ -232,14 +232,6 @@ def _tie_aware(text: dict, kv: dict) -> bool | None:
     (t1, a), (t2, b) = sorted(((int(t), v) for t, v in text.items()), key=lambda x: -x[1])[:2]
     pick = int(max(kv, key=kv.get))
     return pick in (t1, t2) if abs(a - b) <= 2 ** -8 * max(abs(a), abs(b)) else pick == t1
-
-
-def _first_token(text: dict, kv: dict) -> tuple[bool | None, float]:
-    """(same top-1 token, KL(text || kv) over text's top-20) of two first-token logprob dicts."""
-    text_first = {int(t): v for t, v in text.items()}
-    kv_first = {int(t): v for t, v in kv.items()}
-    agree = (max(text_first, key=text_first.get) == max(kv_first, key=kv_first.get)) if text_first and kv_first else None
-    return agree, top20_kl(text_first, kv_first)
 
 
 def log_name(cfg: EvalConfig, fingerprint: str, adapter: Path | None) -> str:

@@ -53,6 +53,15 @@ def top20_kl(reference: dict[int, float], other: dict[int, float]) -> float:
     return sum(math.exp(lp) * (lp - other.get(t, floor)) for t, lp in reference.items())
 
 
+def first_token(reference: dict, other: dict) -> tuple[bool | None, float]:
+    """(same top-1 token, KL(reference || other) over the reference's top 20) of two first-token
+    logprob dicts as results logs keep them (token ids as str or int)."""
+    ref = {int(t): v for t, v in reference.items()}
+    oth = {int(t): v for t, v in other.items()}
+    agree = (max(ref, key=ref.get) == max(oth, key=oth.get)) if ref and oth else None
+    return agree, top20_kl(ref, oth)
+
+
 def bootstrap_ci(values: list[float], iters: int = 1000, seed: int = 0) -> tuple[float, float, float]:
     """(mean, low, high): the 95% percentile bootstrap interval of the mean."""
     vals = [v for v in values if not math.isnan(v)]

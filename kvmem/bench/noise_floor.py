@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmem.bench.metrics import locomo_f1, top20_kl
+from kvmem.bench.metrics import first_token, locomo_f1
 
 
 def log_path_of(log_path: Path) -> Path:
@@ -72,7 +72,5 @@ def attach(rows: list[dict], second: dict[str, dict]) -> list[dict]:
             continue
         row["text2"] = rec
         row["same_answer_text2"] = rec["answer"] == row["text"]["answer"]
-        first, again = ({int(t): v for t, v in d.items()} for d in (row["text"]["first"], rec["first"]))
-        row["top1_agree_text2"] = (max(first, key=first.get) == max(again, key=again.get)) if first and again else None
-        row["kl_text_text2"] = top20_kl(first, again)
+        row["top1_agree_text2"], row["kl_text_text2"] = first_token(row["text"]["first"], rec["first"])
     return rows
