@@ -105,6 +105,7 @@ class Prepared:
     fact_tokens: tuple[int, ...] = ()  # each fact's tokens in the prompt, in prompt order
     question: str = ""
     traced: bool = True  # kept in the x-ray ring (not for scoring, which is no chat)
+    assembly_s: float = 0.0  # after retrieval: tokenizing the facts, the prompt and the plan
 
 
 class Chats:
@@ -229,6 +230,7 @@ class Chats:
         self.need_engine()
         if args.mode == "kv":
             self.keeper.need_encoder().ensure_head()
+        t1 = time.perf_counter()
         tokens = self.prompts.fact_tokens_many([f.text for f in facts])
         prompt = self.prompts.chat([(f.id, t) for f, t in zip(facts, tokens)], messages, args.tools)
         if len(prompt.token_ids) + args.max_tokens > self.config.engine.max_model_len:
@@ -248,7 +250,8 @@ class Chats:
         request = EngineRequest(prompt.token_ids, salt(purpose, args.user_id), args.max_tokens, plan,
                                 args.logprobs, reader=args.mode == "kv", route=args.user_id, sampling=sampling)
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        return Prepared(facts, request, retrieval_s, scores, tuple(map(len, tokens)), clip(question))
+        return Prepared(facts, request, retrieval_s, scores, tuple(map(len, tokens)), clip(question),
+                        assembly_s=time.perf_counter() - t1)
 
     def _check_token_ids(self, sampling: Sampling) -> None:
         """Token ids the model's vocabulary has (vLLM would fail the request late, without a field)."""
@@ -312,6 +315,7 @@ class Chats:
             fallback_reasons=dict(report.fallbacks) if report else {}, retrieval_s=p.retrieval_s,
             token_ids=r.token_ids, first_logprobs=r.first_logprobs, reader_adapter=r.adapter,
             choices=choices, recomputed_tokens=report.recomputed_tokens if report else 0,
+            assembly_s=p.assembly_s, connector_ms=dict(report.profile_ms) if report else {},
         )
 
     def _trace(self, r: EngineResult, p: Prepared, args: ChatArgs) -> ChatTrace:

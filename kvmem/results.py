@@ -105,6 +105,9 @@ class ChatResult:
     stored: tuple[str, ...] = ()  # fact ids the chat's write-back stored (ChatArgs.store)
     trace_id: str = ""  # its x-ray (KVMem.trace; GET /v1/chats/{id}/trace)
     recomputed_tokens: int = 0  # injected fact tokens the connector recomputed (kv.recompute)
+    assembly_s: float = 0.0  # before the engine, after retrieval: the prompt's tokens and the plan
+    # The engine-side injection's milliseconds by stage (connector/profile.py; KV mode only).
+    connector_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def finish_reason(self) -> str:

@@ -24,6 +24,9 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     t = bench.add_parser("ttft", help="TTFT vs number of injected facts k")
     t.add_argument("--ks", type=_ints, default=(0, 5, 10, 25, 50, 100), help="comma-separated k values")
     t.add_argument("--reps", type=int, default=7, help="repetitions per k and mode (default: 7)")
+    t.add_argument("--profile", action="store_true",
+                   help="also print where KV mode's time goes per k: connector stages inside the engine, "
+                        "retrieval and prompt assembly before it")
     recompute_options(t)
     data_options(t, "ttft", synthetic=True)
     t.set_defaults(func=cmd_ttft)
@@ -200,7 +203,7 @@ def cmd_ttft(args, config) -> int:
 
     data, out = bench_data(args, "ttft")
     with _open(config) as mem:
-        result = ttft.run(mem, data=data, ks=args.ks, reps=args.reps, seed=args.seed)
+        result = ttft.run(mem, data=data, ks=args.ks, reps=args.reps, seed=args.seed, profile=args.profile)
     print(ttft.report(result, out))
     return 0
 

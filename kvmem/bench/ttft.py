@@ -14,6 +14,7 @@ as KV mode does). The second is the fair floor for KV reuse: a new question is n
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -22,14 +23,16 @@ from tqdm import tqdm
 from kvmem.bench import locomo
 from kvmem.bench.metrics import median_ratio_ci
 from kvmem.bench.report import plot_lines, summary, write_json
+from kvmem.connector.profile import SCHEDULER_STAGES, WORKER_STAGES
 from kvmem.kv.recompute import Recompute
 
 USER = "bench-ttft"
 DEFAULT_KS = (0, 5, 10, 25, 50, 100)
 
 
-def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: int = 0) -> dict:
-    """`data`: a LoCoMo(-shaped) file; None reads the synthetic tuning set kvmem ships."""
+def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: int = 0, profile: bool = False) -> dict:
+    """`data`: a LoCoMo(-shaped) file; None reads the synthetic tuning set kvmem ships.
+    profile: per k, also where KV mode's time goes (`profile_k`), after the timed repetitions."""
     path, which = locomo.bench_data(data)
     convs = locomo.load(path)
     # Distinct texts (the synthetic set repeats a few): a sample of k ids is k different facts.
@@ -74,6 +77,8 @@ def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: in
         if "kv_all" in stats:  # text/kv with the last facts as text, as a share of text/kv injecting all
             row["ratio_median_all"] = text["median"] / stats["kv_all"]["median"]
             row["text_facts_ratio_share"] = row["ratio_median"] / row["ratio_median_all"]
+        if profile:
+            row["profile"] = profile_k(mem, ids, questions, k, reps, rng)
         rows.append(row)
     k0 = next((r for r in rows if r["k"] == 0), None)
     growth = {m: rows[-1][m]["median"] / k0[m]["median"] for m in ("kv", "cached")} if k0 else {}
@@ -82,6 +87,25 @@ def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: in
             "recompute": mem.config.kv.recompute_setting.tag, "facts_pool": len(ids), "reps": reps, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "encode_seconds": added.encode.seconds if added.encode else None, "rows": rows,
             "kv_growth_max_k_over_k0": growth.get("kv"), "cached_growth_max_k_over_k0": growth.get("cached")}
+
+
+def profile_k(mem, ids: list[str], questions: list[str], k: int, reps: int, rng: random.Random) -> dict:
+    """Medians over `reps` KV-mode chats of k random facts: the connector's milliseconds by stage
+    (connector/profile.py; two tokens asked, so the worker's timings reach the report), and
+    what the client spends before the engine: retrieval of k facts and the prompt's assembly."""
+    stages: dict[str, list[float]] = {}
+    client: dict[str, list[float]] = {"retrieval": [], "assembly": []}
+    for _ in range(reps):
+        q = questions[rng.randrange(len(questions))]
+        r = mem.chat(q, user_id=USER, fact_ids=rng.sample(ids, k), mode="kv", max_tokens=2, logprobs=None)
+        for name in (*SCHEDULER_STAGES, *WORKER_STAGES):
+            stages.setdefault(name, []).append(r.connector_ms.get(name, 0.0))
+        if k:  # retrieval as a chat does it (text mode: only the client side is read here)
+            searched = mem.chat(q, user_id=USER, k=k, mode="text", max_tokens=1, logprobs=None)
+            client["retrieval"].append(searched.retrieval_s * 1e3)
+            client["assembly"].append(searched.assembly_s * 1e3)
+    return {"connector_ms": {n: statistics.median(v) for n, v in stages.items()},
+            "client_ms": {n: statistics.median(v) for n, v in client.items() if v}}
 
 
 _LABELS = {"text": "text prefill", "kv": "KV injection", "cached": "prefix-cache hit, same prompt",
@@ -122,6 +146,8 @@ def report(result: dict, out: Path) -> str:
         kv, hit = result["kv_growth_ci"], result["cached_growth_ci"]
         lines.append(f"\nKV-mode TTFT(k={ks[-1]}) / TTFT(k=0) = {kv[0]:.2f} [{kv[1]:.2f}, {kv[2]:.2f}]; "
                      f"the engine's own prefix-cache hit grows {hit[0]:.2f}x [{hit[1]:.2f}, {hit[2]:.2f}] over the same range")
+    if any("profile" in r for r in result["rows"]):
+        lines += ["", *profile_table(result["rows"])]
     if any("kv_plain" in r for r in result["rows"]):
         lines.append(f"\nReader adapter {result['reader_adapter']}: kv above reads with it; without it, same run:\n\n"
                      "| k | kv without adapter median (p90) ms | text/kv without | text/kv with / without |\n|---|---|---|---|")
@@ -135,3 +161,23 @@ def report(result: dict, out: Path) -> str:
         lines += [f"| {r['k']} | {ms(r['kv_all'])} | {r['ratio_median_all']:.2f}x | {r['text_facts_ratio_share']:.2f} |"
                   for r in result["rows"]]
     return "\n".join(lines)
+
+
+def profile_table(rows: list[dict]) -> list[str]:
+    """Where KV mode's time over the engine's floor (facts hit) goes, per k: the connector's
+    stages in the engine's processes, the rest unattributed; and the client's side before it."""
+    stages = (*SCHEDULER_STAGES, *WORKER_STAGES)
+    lines = ["Where KV mode's time goes (`--profile`; medians, ms; scheduler: " + ", ".join(SCHEDULER_STAGES)
+             + "; worker: " + ", ".join(WORKER_STAGES) + "):", "",
+             "| k | kv - facts hit | " + " | ".join(stages) + " | connector total | unattributed "
+             "| client: retrieval | client: assembly |", "|---" * (len(stages) + 6) + "|"]
+    for r in rows:
+        if "profile" not in r:
+            continue
+        ms, client = r["profile"]["connector_ms"], r["profile"]["client_ms"]
+        over = (r["kv"]["median"] - r["facts_hit"]["median"]) * 1e3
+        total = sum(ms.values())
+        cells = [f"{ms.get(n, 0.0):.2f}" for n in stages]
+        lines.append(f"| {r['k']} | {over:.1f} | " + " | ".join(cells) + f" | {total:.1f} | {over - total:.1f} "
+                     f"| {client.get('retrieval', 0.0):.1f} | {client.get('assembly', 0.0):.1f} |")
+    return lines

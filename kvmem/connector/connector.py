@@ -31,6 +31,7 @@ from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from kvmem.connector.plan import ConnectorMeta, ConnectorSettings
+from kvmem.connector.profile import to_ms
 from kvmem.connector.recompute import Recomputer, live_modules
 from kvmem.connector.rope import KeyRotator, is_rotary
 from kvmem.connector.scheduler_side import SchedulerSide
@@ -41,24 +42,30 @@ from kvmem.reader import kvmap
 
 log = logging.getLogger("kvmem.connector")
 
+PROFILE = "profile"  # the stats' key for per-request stage timings
+
 
 class KvmemMetadata(ConnectorMeta, KVConnectorMetadata):
     pass
 
 
 class KvmemStats(KVConnectorStats):
-    """What a worker reports after each step: blob loads served by its RAM tier, and read from disk."""
+    """What a worker reports after each step: blob loads served by its RAM tier, and read from
+    disk; and under PROFILE, each injecting request's stage seconds (profile.py)."""
 
     def reset(self) -> None:
         self.data = {"ram_hits": 0, "disk_loads": 0}
 
     def aggregate(self, other: KVConnectorStats) -> "KvmemStats":
-        for name, count in other.data.items():
-            self.data[name] = self.data.get(name, 0) + count
+        for name, value in other.data.items():
+            if name == PROFILE:
+                self.data.setdefault(PROFILE, {}).update(value)
+            else:
+                self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        return {name: value for name, value in self.data.items() if name != PROFILE}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -118,7 +125,8 @@ class KvmemConnector(KVConnectorBase_V1):
             return delay, None
         # RAM-tier totals as of the last step (a request's own loads may lag a step).
         totals = self._tier_totals.data
-        report = replace(report, ram_tier_hits=totals.get("ram_hits", 0), ram_tier_loads=totals.get("disk_loads", 0))
+        report = replace(report, ram_tier_hits=totals.get("ram_hits", 0), ram_tier_loads=totals.get("disk_loads", 0),
+                         profile_ms=to_ms(self._scheduler.timings.pop(request.request_id)))
         return delay, report.to_params()
 
     def update_connector_output(self, connector_output) -> None:
@@ -126,6 +134,7 @@ class KvmemConnector(KVConnectorBase_V1):
         self._scheduler.copies_done(connector_output.finished_sending or ())
         stats = connector_output.kv_connector_stats
         if stats is not None:
+            self._scheduler.timings.merge(stats.data.pop(PROFILE, {}))
             self._tier_totals.aggregate(stats)
 
     @classmethod
@@ -174,10 +183,16 @@ class KvmemConnector(KVConnectorBase_V1):
         self._worker.wait_for_copies()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Worker, each step after the forward pass: blob loads since the last call, by tier."""
-        if self._worker is None or not any(self._worker.tier_counts.values()):
+        """Worker, each step after the forward pass: blob loads since the last call, by tier, and
+        the injecting requests' stage timings."""
+        if self._worker is None:
+            return None
+        timings = self._worker.timings.drain()
+        if not any(self._worker.tier_counts.values()) and not timings:
             return None
         stats = KvmemStats(data=dict(self._worker.tier_counts))
+        if timings:
+            stats.data[PROFILE] = timings
         self._worker.tier_counts = dict.fromkeys(self._worker.tier_counts, 0)
         return stats
 

@@ -99,6 +99,9 @@ class InjectionReport:
     held_for_copies: int = 0  # encodes whose blocks still wait for the worker's copy
     ram_tier_hits: int = 0  # every worker's RAM-tier hits since the engine started
     ram_tier_loads: int = 0  # every worker's disk loads into the RAM tier since it started
+    # Milliseconds per connector stage for this request (connector/profile.py); the worker's
+    # stages only when the request outlived its first step.
+    profile_ms: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def facts_from_blobs(self) -> int:
@@ -113,6 +116,7 @@ class InjectionReport:
             "fallbacks": dict(self.fallbacks), "kv_map": self.kv_map,
             "recomputed_tokens": self.recomputed_tokens, "held_for_copies": self.held_for_copies,
             "tier_totals": {"ram_hits": self.ram_tier_hits, "disk_loads": self.ram_tier_loads},
+            "profile_ms": dict(self.profile_ms),
         }}
 
     @classmethod
@@ -130,6 +134,7 @@ class InjectionReport:
             kv_map=bool(body.get("kv_map", False)), recomputed_tokens=int(body.get("recomputed_tokens", 0)),
             held_for_copies=int(body.get("held_for_copies", 0)),
             ram_tier_hits=int(totals.get("ram_hits", 0)), ram_tier_loads=int(totals.get("disk_loads", 0)),
+            profile_ms={str(k): float(v) for k, v in (body.get("profile_ms") or {}).items()},
         )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmem.connector.plan import ENCODE, INJECT, ConnectorMeta, InjectionReport, LoadJob, Plan, SaveJob, Segment, Span
+from kvmem.connector.profile import RequestTimings, Stopwatch
 from kvmem.errors import BlobError
 from kvmem.kv.recompute import Recompute
 from kvmem.kv.store import KVStore
@@ -61,6 +62,8 @@ class SchedulerSide:
         self._saving: set[str] = set()  # save sent to the worker: blocks are freed when it says so
         self._held: set[str] = set()  # finished, blocks kept until the worker reports its copy done
         self.fallback_total = 0
+        self.timings = RequestTimings()  # per request: this side's stage seconds, and the worker's (profile.py)
+        self._watch = Stopwatch()
 
     # -- vLLM hooks -----------------------------------------------------------------------------
 
@@ -70,7 +73,9 @@ class SchedulerSide:
             return 0, False
         claim = self._claims.get(request.request_id)
         if claim is None:
-            claim = self._claims[request.request_id] = self._claim(request, plan)
+            with self._watch.stage("lookup"):
+                claim = self._claims[request.request_id] = self._claim(request, plan)
+            self.timings.charge([request.request_id], self._watch.take())
         claim.local_hit = num_computed_tokens
         claim.claimed = max(0, claim.end - num_computed_tokens)
         return claim.claimed, False
@@ -79,6 +84,11 @@ class SchedulerSide:
         claim = self._claims.get(request.request_id)
         if claim is None or num_external_tokens == 0:
             return
+        with self._watch.stage("plan"):
+            self._plan_load(request, claim, blocks, num_external_tokens)
+        self.timings.charge([request.request_id], self._watch.take())
+
+    def _plan_load(self, request, claim: Claim, blocks, num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()[0]
         first = claim.end - num_external_tokens
         spans = _spans(claim.segments, first, claim.end)
@@ -89,6 +99,12 @@ class SchedulerSide:
             request.request_id, tuple(block_ids[: -(-claim.end // self.block_size)]), spans, claim.map_from, rec)
 
     def build_meta(self, scheduler_output) -> ConnectorMeta:
+        with self._watch.stage("meta"):
+            meta = self._build_meta(scheduler_output)
+        self.timings.charge([job.req_id for job in meta.loads], self._watch.take())
+        return meta
+
+    def _build_meta(self, scheduler_output) -> ConnectorMeta:
         meta = ConnectorMeta(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
@@ -126,6 +142,7 @@ class SchedulerSide:
             self._held.add(request.request_id)
         claim = self._claims.pop(request.request_id, None)
         if claim is None:
+            self.timings.pop(request.request_id)
             return delay, None
         return delay, InjectionReport(
             claimed_tokens=claim.claimed, local_hit_tokens=claim.local_hit, inject_end=claim.end,

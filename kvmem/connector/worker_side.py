@@ -34,6 +34,7 @@ from kvmem.connector.mapped_tier import MappedTier
 from kvmem.connector.paged import PageLayout, slot_mapping
 from kvmem.connector.placement import DeviceKVMap, Placement
 from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob
+from kvmem.connector.profile import RequestTimings, Stopwatch
 from kvmem.connector.recompute import Recomputer, Rows
 from kvmem.connector.rope import KeyRotator, LayerRotators
 from kvmem.connector.staging import HostStaging, SideStream, synchronize
@@ -68,6 +69,8 @@ class WorkerSide:
         self._writer = BlobWriter(store, self.codec)
         self.failed_block_ids: set[int] = set()
         self.tier_counts = {"ram_hits": 0, "disk_loads": 0}  # this worker's blob loads since last reported
+        self.watch = Stopwatch()  # this step's injection, by stage (profile.py)
+        self.timings = RequestTimings()  # per request, until the step's stats carry them to the scheduler
         self._kv_map = kv_map  # the reader's KV map (reader/kvmap.py), as the adapter gave it
         self._key_map: DeviceKVMap | None = None  # the same, on the device, once registered and checked
         self._mapped_tier: MappedTier | None = None  # blobs mapped once (CPU backend only)
@@ -134,13 +137,16 @@ class WorkerSide:
             # Whatever was queued must land before the engine recomputes (and rewrites) those blocks.
             self._stream.make_engine_wait(self._stream.record())
             self.failed_block_ids.update(_blocks_of(meta.loads, self.block_size))
+        finally:
+            self.timings.charge((job.req_id for job in meta.loads), self.watch.take())
 
     def _load(self, jobs: list[LoadJob]) -> None:
         staged = self._stage(jobs)
         with self._stream:
             self._place(staged)
             if self._recomputer is not None and any(j.recompute is not None and j.recompute.on for j in jobs):
-                self._recompute(jobs, staged)
+                with self.watch.stage("recompute"):
+                    self._recompute(jobs, staged)
                 done = self._stream.record()  # every layer's slots are final only now
                 self._layer_events = dict.fromkeys(self._layer_events, done)
         self._staging.release(self._stream.record())
@@ -151,11 +157,13 @@ class WorkerSide:
         slots = staged.slots.to(dev, non_blocking=True)
         place = Placement.of(staged.src, staged.dst, staged.mapped, self.rotator, self._key_map, dev)
         for i, (name, cache) in enumerate(self._caches):
-            key = _decode_layer(staged.key_codec, staged.key, i, dev)  # [N, H, D]
-            value = _decode_layer(staged.value_codec, staged.value, i, dev)
-            key, value = place.layer(i, key, value, cache.dtype)
+            with self.watch.stage("placement"):
+                key = _decode_layer(staged.key_codec, staged.key, i, dev)  # [N, H, D]
+                value = _decode_layer(staged.value_codec, staged.value, i, dev)
+                key, value = place.layer(i, key, value, cache.dtype)
             layer = self._layers[name]
-            layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+            with self.watch.stage("scatter"):
+                layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
             self._layer_events[name] = self._stream.record()
 
     def _recompute(self, jobs: list[LoadJob], staged: "_Staged") -> None:
@@ -201,7 +209,14 @@ class WorkerSide:
         positions, slots = _token_map(jobs, self.block_size)
         self.rotator.check_positions(positions)
         spans = [s for job in jobs for s in job.spans]
-        fetched = [self.store.fetch(s.fact_id) for s in spans]
+        with self.watch.stage("blob_reads"):
+            fetched = [self.store.fetch(s.fact_id) for s in spans]
+        with self.watch.stage("staging"):
+            return self._gather(jobs, spans, fetched, positions, slots)
+
+    def _gather(self, jobs: list[LoadJob], spans: list, fetched: list, positions: torch.Tensor,
+                slots: torch.Tensor) -> "_Staged":
+        """The fetched blobs' span tokens -> one `_Staged` in the host staging buffer."""
         blobs = [blob for blob, _ in fetched]
         for _, in_ram in fetched:
             self.tier_counts["ram_hits" if in_ram else "disk_loads"] += 1

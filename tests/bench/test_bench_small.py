@@ -217,3 +217,15 @@ def test_locomo_eval_with_both_memories_can_store_observations_after_their_turn(
                 dict(memory="turns", observation_origin=True)):
         with pytest.raises(InvalidInputError):
             eval_locomo.EvalConfig(locomo_path, **bad)
+
+
+def test_ttft_bench_profile_prints_where_kv_modes_time_goes(mem, tmp_path, locomo_path):
+    result = ttft.run(mem, data=locomo_path, ks=(0, 5), reps=2, profile=True)
+    text = ttft.report(result, tmp_path / "ttft")
+    for row in result["rows"]:
+        ms = row["profile"]["connector_ms"]
+        assert ms["lookup"] > 0, ms  # every KV chat's plan is checked; at k=0 the head may be a local hit
+        if row["k"]:  # facts in random orders are never all cached: they are loaded and placed
+            assert all(ms[stage] > 0 for stage in ("plan", "meta", "blob_reads", "staging", "scatter")), ms
+    assert result["rows"][1]["profile"]["client_ms"]["retrieval"] > 0
+    assert "Where KV mode's time goes" in text and "| blob_reads |" not in text.split("Where")[0]
