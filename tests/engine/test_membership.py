@@ -1,0 +1,70 @@
+"""engine/membership.py and replica_lease.py against a real PostgreSQL: leases, draining, expiry,
+and a gateway's watcher hearing each change."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvmem.engine.membership import Registry, Watcher
+from kvmem.engine.replica_lease import Lease
+from kvmem.errors import InvalidInputError
+
+
+def _until(check, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout} s")
+        time.sleep(0.05)
+
+
+def test_a_registered_replica_is_live_until_it_drains_or_leaves(pg_url):
+    registry = Registry(pg_url)
+    registry.register("http://a:8000", "fp1", capacity=4)
+    registry.register("http://b:8000", "fp1")
+    registry.register("http://c:8000", "fp2")  # other weights: never routed to for fp1
+    assert registry.live("fp1") == ["http://a:8000", "http://b:8000"]
+    assert registry.drain("http://a:8000") and registry.live("fp1") == ["http://b:8000"]
+    (a,) = [m for m in registry.members() if m.url == "http://a:8000"]
+    assert a.draining and a.capacity == 4 and a.lease_left_s > 0
+    registry.register("http://a:8000", "fp1")  # a restarted replica registers again: live again
+    registry.leave("http://b:8000")
+    assert registry.live("fp1") == ["http://a:8000"] and not registry.drain("http://b:8000")
+
+
+def test_a_lease_not_renewed_runs_out_and_a_renewed_one_does_not(pg_url):
+    registry = Registry(pg_url)
+    registry.register("http://dead:8000", "fp", lease_s=0.5)
+    lease = Lease(registry, "http://alive:8000", "fp", lease_s=0.6)  # renewed every 0.2 s
+    try:
+        time.sleep(1.5)
+        assert registry.live("fp") == ["http://alive:8000"]
+        assert not registry.renew("http://gone:8000")
+    finally:
+        lease.stop()
+    assert registry.live("fp") == []  # stopping leaves at once
+
+
+def test_a_watcher_hears_joins_drains_and_expiries(pg_url):
+    registry = Registry(pg_url)
+    seen: list[list[str]] = []
+    watcher = Watcher(registry, "fp", seen.append, refresh_s=0.5)
+    try:
+        assert seen == [[]]
+        registry.register("http://a:8000", "fp", lease_s=60)
+        _until(lambda: seen[-1] == ["http://a:8000"], timeout=5)
+        registry.register("http://b:8000", "fp", lease_s=1.0)
+        _until(lambda: seen[-1] == ["http://a:8000", "http://b:8000"], timeout=5)
+        registry.drain("http://a:8000")
+        _until(lambda: seen[-1] == ["http://b:8000"], timeout=5)
+        _until(lambda: seen[-1] == [], timeout=5)  # b's lease ran out: no write, the periodic read sees it
+    finally:
+        watcher.close()
+
+
+def test_membership_needs_postgresql():
+    with pytest.raises(InvalidInputError) as e:
+        Registry("sqlite:///tmp/x.db")
+    assert e.value.param == "database_url"
