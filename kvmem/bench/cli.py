@@ -1,5 +1,5 @@
-"""`kvmem bench ttft|load|cache|oracle|codecs|ann`, `kvmem verify` and `kvmem eval locomo`: argument parsing and
-report writing.
+"""`kvmem bench ttft|load|cache|cluster|oracle|codecs|ann`, `kvmem verify` and `kvmem eval locomo`: argument
+parsing and report writing.
 (`kvmem bench reader` is kvmem.tune's: it measures with the tuning lab.)"""
 
 from __future__ import annotations
@@ -60,6 +60,27 @@ def add_parsers(sub) -> argparse._SubParsersAction:
                                                               "fresh temporary folder)")
     data_options(g, "gateway")
     g.set_defaults(func=cmd_gateway)
+    cl = bench.add_parser("cluster", help="simulated replicas routed by the real router: rendezvous vs residency, "
+                                          "TTFT and resident-hit rate at several sizes, with replicas dying")
+    cl.add_argument("--replicas", type=_ints, default=(2, 10, 100), help="comma-separated sizes (default: 2,10,100)")
+    cl.add_argument("--deaths", type=float, default=0.1, help="share of replicas that die mid-run (default: 0.1)")
+    cl.add_argument("--joins", type=float, default=0.0,
+                    help="also a run where this share of new, empty replicas joins mid-run (default: 0, none)")
+    cl.add_argument("--compute-speedup", type=float, default=1.0,
+                    help="what-if: compute costs (k=0 TTFT, injection, decode) this many times faster, tier reads "
+                         "as measured (default: 1, this host as measured)")
+    cl.add_argument("--users-per-replica", type=positive_int, default=50)
+    cl.add_argument("--facts-per-user", type=positive_int, default=100)
+    cl.add_argument("-k", type=positive_int, default=50, help="facts per chat (default: 50)")
+    cl.add_argument("--user-zipf", type=float, default=1.0, help="skew over users (default: 1.0)")
+    cl.add_argument("--fact-zipf", type=float, default=1.0, help="skew over each user's facts (default: 1.0)")
+    cl.add_argument("--rate", type=float, default=2.5, help="Poisson arrivals, chats/s per replica (default: 2.5)")
+    cl.add_argument("--seconds", type=float, default=90.0, help="simulated seconds of arrivals (default: 90)")
+    cl.add_argument("--warmup", type=float, default=30.0, help="untimed first seconds (default: 30)")
+    cl.add_argument("--name", default="cluster", help="results file stem (default: cluster)")
+    cl.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
+    cl.add_argument("--seed", type=int, default=0)
+    cl.set_defaults(func=cmd_cluster)
     o = bench.add_parser("oracle", help="injected KV vs text prefill of the same prompt (k=1 exact, k=10 approx.)")
     o.add_argument("--out", type=Path, default=None, help=f"output folder (default: {RESULTS})")
     o.set_defaults(func=cmd_oracle)
@@ -229,6 +250,18 @@ def cmd_gateway(args, config) -> int:
                          facts_per_user=args.facts_per_user, k=args.k, rounds=args.rounds,
                          sequential=args.sequential, max_tokens=args.max_tokens, seed=args.seed)
     print(gateway.report(result, (args.out or RESULTS) / "gateway"))
+    return 0
+
+
+def cmd_cluster(args, config) -> int:
+    from kvmem.bench import cluster_report, cluster_sim
+
+    base = cluster_sim.Scenario(users_per_replica=args.users_per_replica, facts_per_user=args.facts_per_user, k=args.k,
+                                user_zipf=args.user_zipf, fact_zipf=args.fact_zipf, rate_per_replica=args.rate,
+                                seconds=args.seconds, warmup_s=args.warmup, seed=args.seed)
+    result = cluster_sim.run(replicas=args.replicas, deaths=args.deaths, joins=args.joins, base=base,
+                             speedup=args.compute_speedup)
+    print(cluster_report.report(result, (args.out or RESULTS) / args.name))
     return 0
 
 
