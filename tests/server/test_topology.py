@@ -8,6 +8,7 @@ replica SIGKILLed under a bounded load loses no acknowledged write, and every ch
 the other replica, which pulls the blobs it lacks from Redis) or gets a clear 503. An agent's MCP
 client at a gateway's /mcp (a third gateway, the one with API keys) stores facts in the same
 PostgreSQL, encoded by the replicas, that its tenant's chats inject, and another tenant sees none.
+Two gateways under a write burst encode each fact once (a lease per fact and model, facts/leases.py).
 """
 
 from __future__ import annotations
@@ -304,6 +305,70 @@ def test_an_mcp_client_at_a_gateway_stores_in_the_shared_store_its_tenant_only(t
         assert c.post("/v1/memories/search", json={"user_id": user, "query": "bicycle"}).json()["results"] == []
 
 
+def _scraped(url: str, name: str) -> float:
+    """The sum of a metric's samples (every label set) at url/metrics; 0 from a process that is
+    gone (the SIGKILL test leaves its victim dead: it counts nothing before or after)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.TransportError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {")
+
+
+def test_two_gateways_under_a_write_burst_encode_each_fact_once(topology, keyed_gateway):
+    """Issue 54: writes through both gateways at once, half encoded at once (sync), half left to
+    the background; both gateways' encoders see every pending fact in PostgreSQL, and each fact's
+    lease lets one of them encode it. Counted twice: ENCODE requests the replicas finished (their
+    own vLLM counter; nothing else runs meanwhile) and facts the gateways sent (the keyed gateway's
+    encoder works the same queue: counted too). Before leases: 48 facts, 143 encodes."""
+    import psycopg
+
+    gateways, replicas = topology["gateways"], topology["replicas"]
+    encoders = [*gateways, keyed_gateway]
+    tag = uuid.uuid4().hex[:6]
+    for g in gateways:  # a gateway's first encode also stores the prompt's head: not in the count
+        _add(g, f"burst-{tag}-warm", [f"Warm-up fact through {g.name}."])
+    queue = "kvmem_encode_queue_depth"
+    _until(lambda: all(_scraped(g.url, queue) == 0 for g in encoders), timeout=300,
+           what="earlier tests' encodes settling")
+
+    def counts() -> tuple[float, float]:
+        return (sum(_scraped(r.url, "vllm:request_success_total") for r in replicas),
+                sum(_scraped(g.url, "kvmem_fact_encodes_total") for g in encoders))
+
+    before = counts()
+
+    def write(i: int) -> list[str]:
+        facts = [f"Burst {i}: my locker {j} holds {i * j} books." for j in range(3)]
+        with _client(gateways[i % 2]) as c:
+            r = c.post("/v1/memories", json={"user_id": f"burst-{tag}-{i}", "facts": facts,
+                                              "encode": "sync" if i % 4 < 2 else "background"})
+        assert r.status_code == 200, r.text
+        return [m["id"] for m in r.json()["results"]]
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        ids = [fact for batch in pool.map(write, range(16)) for fact in batch]
+    with psycopg.connect(topology["db_url"], autocommit=True) as conn:
+        _until(lambda: conn.execute("SELECT count(*) FROM facts WHERE id = ANY(%s) AND kv_status = 'encoded'",
+                                    (ids,)).fetchone()[0] == len(ids), timeout=300, what="every burst fact encoded")
+    burst_s = time.monotonic() - start
+
+    def still() -> tuple[float, float] | None:
+        # A second encode of a fact may still be on its way after the first stamped it: the
+        # counts hold still past a background loop's wake-up (5 s).
+        first = counts()
+        time.sleep(6)
+        return first if counts() == first else None
+
+    settled = _until(still, timeout=120, what="the encode counts settling")
+    replica_encodes, gateway_encodes = (a - b for a, b in zip(settled, before))
+    print(f"\n{len(ids)} facts encoded in {burst_s:.1f} s: {replica_encodes:.0f} encodes finished by the replicas,"
+          f" {gateway_encodes:.0f} sent")
+    assert replica_encodes == len(ids) and gateway_encodes == len(ids)
+
+
 def test_a_replica_sigkilled_under_load_loses_no_acknowledged_write(topology):
     import psycopg
 
@@ -358,3 +423,4 @@ def test_a_replica_sigkilled_under_load_loses_no_acknowledged_write(topology):
     counted = [float(line.rsplit(" ", 1)[1]) for g in gateways
                for line in httpx.get(g.url + "/metrics", timeout=30).text.splitlines() if line.startswith(other)]
     assert counted and sum(counted) > 0
+
