@@ -48,6 +48,11 @@ class EngineConfig:
       and keep them on GPUs (CUDA graphs make small decode steps much cheaper there).
     url: a kvmem replica (`kvmem replica`: vLLM's stock OpenAI server with kvmem's connector) to
       send requests to instead of starting vLLM in this process; it must share the KV folder.
+    connect_timeout_s: with url, seconds to open a connection to a replica before trying the next.
+    reply_timeout_s: with url, the longest a replica may stay silent on a request before it is
+      passed over and the request sent to the next (a non-streamed reply comes whole, after its
+      last token, so this bounds the longest generation). A replica that hangs is found sooner,
+      by the health probes, whatever this is (docs/deploy.md).
     dtype: the weights' dtype the model is converted to and served in.
     max_model_len: the longest prompt plus reply, in tokens.
     gpu_memory_utilization: the share of device memory vLLM reserves for weights and KV cache.
@@ -83,6 +88,8 @@ class EngineConfig:
     load_format: str = "auto"
     enforce_eager: bool | None = None
     url: str | None = None
+    connect_timeout_s: float = 5.0
+    reply_timeout_s: float = 600.0
     vllm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -100,6 +107,9 @@ class EngineConfig:
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share <= 1:
             raise ValueError(f"engine.gpu_memory_utilization must be within (0, 1], got {share!r}")
+        for name in ("connect_timeout_s", "reply_timeout_s"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"engine.{name} must be a positive number of seconds, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -393,6 +403,8 @@ ENV: dict[str, EnvVar] = {
     "engine.load_format": EnvVar("KVMEM_LOAD_FORMAT", str),
     "engine.enforce_eager": EnvVar("KVMEM_ENFORCE_EAGER", _tristate, blank_unset=True),
     "engine.url": EnvVar("KVMEM_ENGINE_URL", str, blank_unset=True),
+    "engine.connect_timeout_s": EnvVar("KVMEM_ENGINE_CONNECT_TIMEOUT_S", float),
+    "engine.reply_timeout_s": EnvVar("KVMEM_ENGINE_REPLY_TIMEOUT_S", float),
     "engine.vllm_args": EnvVar("KVMEM_VLLM_ARGS", str, blank_unset=True),  # one shell-quoted string
     "kv.codec": EnvVar("KVMEM_KV_CODEC", str),
     "kv.recompute": EnvVar("KVMEM_KV_RECOMPUTE", float),

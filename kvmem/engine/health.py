@@ -7,6 +7,13 @@ serves our weights (a redeploy with another model behind the same address), is m
 before a user's request has to find out; one that answers is marked up at once, without waiting
 out DOWN_S. Routing only reorders: a replica marked down is still tried last, so a wrong mark
 costs a detour, never a failed request.
+
+A replica that accepts connections and then says nothing (a hung process, a stalled network)
+fails no request by itself: the requests sent to it just wait. Once SILENT_AFTER probes in a row
+got no answer at all (connect or read error, or no answer within PROBE_TIMEOUT_S), the replica is
+`silent`, and the gateway gives up the requests still waiting on it (remote.py) and sends them to
+the next replica. An answer that is merely slow (a long prompt's prefill, a long reply) never
+counts: the probe asks for the model list, which the replica's API answers without its engine.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ log = logging.getLogger(__name__)
 DOWN_S = 10.0  # how long a replica that failed a request is passed over
 PROBE_S = 2.0  # between two probes of every replica
 PROBE_TIMEOUT_S = 2.0  # a replica slower than this to list its models counts as down
+SILENT_AFTER = 2  # probes in a row with no answer at all before requests waiting on it are given up
 
 
 def served_models(http: httpx.Client, url: str) -> list[str]:
@@ -37,6 +45,7 @@ class Health:
         self.urls = urls
         self._serves = serves
         self._down: dict[str, float] = {}  # url -> until when it is passed over
+        self._unanswered: dict[str, int] = {}  # url -> probes in a row that got no answer at all
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -59,6 +68,11 @@ class Health:
         with self._lock:
             return self._down.get(url, 0.0) > time.monotonic()
 
+    def silent(self, url: str) -> bool:
+        """The last SILENT_AFTER probes got no answer from `url` (not even an error status)."""
+        with self._lock:
+            return self._unanswered.get(url, 0) >= SILENT_AFTER
+
     def order(self, preferred: list[str]) -> list[str]:
         """`preferred` with the replicas marked down moved to the end (each part keeps its order)."""
         down = {u for u in preferred if self.is_down(u)}
@@ -68,10 +82,15 @@ class Health:
         """Ask every replica once; -> url: healthy."""
         result = {}
         for url in self.urls:
+            answered = True
             try:
                 result[url] = self._serves(served_models(http, url))
+            except httpx.TransportError:
+                result[url], answered = False, False
             except (httpx.HTTPError, KeyError, TypeError, ValueError):
                 result[url] = False
+            with self._lock:
+                self._unanswered[url] = 0 if answered else self._unanswered.get(url, 0) + 1
             was_down = self.is_down(url)
             if result[url]:
                 self.mark_up(url)

@@ -40,6 +40,7 @@ from kvmem.results import TokenLogprob
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.05  # how often a waiting caller looks at its cancel event
+CORE_WATCH_S = 0.5  # how often the engine-core process's liveness is looked at
 
 
 @dataclass
@@ -80,6 +81,8 @@ class LocalEngine:
         self.aborted = 0  # requests dropped because their caller cancelled them (e.g. a client hung up)
         self._driver = threading.Thread(target=self._drive, name="kvmem-engine", daemon=True)
         self._driver.start()
+        self.dead = False  # vLLM's engine-core process died: this engine serves no more (the server restarts it)
+        threading.Thread(target=self._watch_core, name="kvmem-engine-watch", daemon=True).start()
 
     def _refuse_unfit_adapter(self, kv_dir: Path, fingerprint: str) -> None:
         """A KV map that does not fit the model (its shape, or a rotary embedding it does not
@@ -99,6 +102,8 @@ class LocalEngine:
         index and its text so far."""
         if self._stopping:
             raise EngineError("the engine is shut down")
+        if self.dead:
+            raise EngineError("vLLM's engine process died; the engine is restarting")
         future: Future = Future()
         plan = request.plan
         blobs = {s.fact_id: self._blobs.stamp(s.fact_id) for s in plan.segments} if plan and plan.op == ENCODE else {}
@@ -126,7 +131,7 @@ class LocalEngine:
         self.run(requests)
 
     def health(self) -> bool:
-        return not self._stopping and self._driver.is_alive()
+        return not self._stopping and not self.dead and self._driver.is_alive()
 
     def status(self) -> EngineStatus:
         adapter = str(self.reader_adapter) if self.reader_adapter is not None else None
@@ -164,6 +169,27 @@ class LocalEngine:
         for c in result.choices:
             yield from _delta(request, c.index, c.text, sent)
         yield result
+
+    def _watch_core(self) -> None:
+        """Runs on its own thread. vLLM notices its engine-core process die (and marks its client
+        dead), but a step already waiting for that process's output waits forever, and with it
+        every request in flight. Once the core is gone the wait is woken with vLLM's own
+        EngineDeadError, so those requests fail (EngineError: a 503) and new ones are refused."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        core = self._engine.engine_core
+        resources = getattr(core, "resources", None)  # an in-process core (no child to lose) has none
+        while resources is not None and not self._stopping:
+            if resources.engine_dead:
+                if self._stopping:  # close() shuts the core down too: not a death
+                    return
+                self.dead = True
+                log.error("vLLM's engine-core process died: failing the requests in flight")
+                outputs = getattr(core, "outputs_queue", None)
+                if outputs is not None:
+                    outputs.put_nowait(EngineDeadError())
+                return
+            time.sleep(CORE_WATCH_S)
 
     # -- the driver thread ----------------------------------------------------------------------
 
@@ -282,7 +308,10 @@ def _refused(request: EngineRequest, error: Exception) -> Exception:
     """vLLM's refusal of the request itself (VLLMClientError, its 4xx), as the caller's bad input:
     a schema its structured-output backend cannot compile is the caller's response_format."""
     from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError
 
+    if isinstance(error, EngineDeadError):  # the engine's failure, not the request's: a 503
+        return EngineError(f"vLLM's engine process died: {error}")
     if not isinstance(error, (VLLMClientError, ValueError)):
         return error
     if request.sampling.structured:

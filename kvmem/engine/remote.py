@@ -15,6 +15,14 @@ losing a replica moves only the users it had). A replica that refuses connection
 every replica every few seconds marks replicas down and up between requests (health.py). With
 none left the request fails with EngineError (HTTP 503 at the server).
 
+Deadlines (Timeouts): a connection not made within `connect_s`, a reply not finished within
+`reply_s` (a non-streamed reply arrives whole, after the last token: this bounds the longest
+generation, not the wait for a first byte), and a replica the probes find silent (watched.py:
+requests waiting on it are given up within a few seconds) all count as that replica failing: it
+is passed over and the request goes to the next replica, as long as nothing of it reached the
+caller (a stream that already sent text fails instead). A slow replica is never given up for
+being slow: a long prompt's prefill or a long reply only has to finish within `reply_s`.
+
 What the HTTP API cannot carry: streamed responses have no `kv_transfer_params`, so a streamed
 chat reports no injection accounting; scoring (prompt logprobs over cached tokens) needs the
 in-process engine; and a response gives no first-token time unless it is streamed, so `run`
@@ -36,6 +44,7 @@ from typing import Callable, Iterator
 
 import httpx
 
+from kvmem.engine import watched
 from kvmem.engine.health import PROBE_S, Health, served_models
 from kvmem.connector.plan import ENCODE, InjectionReport
 from kvmem.engine.protocol import BLOB_WAIT_S, ChoiceDelta, Completion, EngineRequest, EngineResult, EngineStatus
@@ -48,8 +57,21 @@ from kvmem.results import TokenLogprob
 log = logging.getLogger(__name__)
 
 BLOB_POLL_S = 0.005
-_FAILOVER = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 _RETRY_STATUS = (502, 503)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Per attempt on one replica. connect_s: to open a connection (nothing was sent: always safe
+    to try the next replica). reply_s: the longest a replica may stay silent on a connection, so a
+    whole non-streamed reply (sent after its last token) or any gap in a stream; a replica that
+    hangs is found sooner by the probes (health.SILENT_AFTER)."""
+
+    connect_s: float = 5.0
+    reply_s: float = 600.0
+
+    def httpx(self) -> httpx.Timeout:
+        return httpx.Timeout(self.reply_s, connect=self.connect_s)
 
 
 def rendezvous(key: str, urls: list[str]) -> list[str]:
@@ -59,7 +81,7 @@ def rendezvous(key: str, urls: list[str]) -> list[str]:
 
 class RemoteEngine:
     def __init__(self, urls: str | list[str], model: ModelInfo, blobs: KVStore, *, use_reader: bool = True,
-                 timeout_s: float = 600.0, workers: int = 32, probe_s: float | None = PROBE_S) -> None:
+                 timeouts: Timeouts = Timeouts(), workers: int = 32, probe_s: float | None = PROBE_S) -> None:
         """urls: one replica's base URL, several in a list or comma-separated. blobs: the store the
         replicas write to, as this process sees it (only stamps are read: encodes wait for them).
         use_reader: False (reader_adapter "off") keeps KV-mode chats on the plain model even where
@@ -76,7 +98,7 @@ class RemoteEngine:
         # (replica, whether it is the user's first choice by rendezvous) -> requests it answered:
         # the affinity hit rate, and the load per replica.
         self.answered: Counter[tuple[str, bool]] = Counter()
-        self._http = httpx.Client(timeout=timeout_s)
+        self._http = httpx.Client(timeout=timeouts.httpx(), transport=watched.transport(self._silent))
         self._blobs = blobs
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvmem-remote")
         down = self._check_models()
@@ -84,6 +106,11 @@ class RemoteEngine:
         self.replicas = Health(self.urls, lambda ids: self.name in ids, probe_s=probe_s)
         for url in down:
             self.replicas.mark_down(url)
+
+    def _silent(self, host: str, port: int) -> bool:
+        """watched.py's question for a waiting read: has the replica at host:port gone silent?"""
+        replicas = getattr(self, "replicas", None)  # None while the first model check runs
+        return replicas is not None and any(replicas.silent(u) for u in self.urls if _origin(u) == (host, port))
 
     def _check_models(self) -> list[str]:
         """At least one replica must answer, and every one that does must serve our weights;
@@ -111,20 +138,23 @@ class RemoteEngine:
         """Replicas to try for this user, best first; those marked down go last."""
         return self.replicas.order(rendezvous(key, self.urls))
 
-    def _send(self, request: EngineRequest, body: dict, stream: bool = False):
-        """POST to the user's replicas in turn until one answers; -> (url, response)."""
+    def _send(self, request: EngineRequest, body: dict, stream: bool = False,
+              tried: list[str] | None = None) -> tuple[str, httpx.Response]:
+        """POST to the user's replicas in turn until one answers; -> (url, response). `tried`:
+        replicas that already failed this request (skipped; those that fail here are added)."""
+        tried = [] if tried is None else tried
         errors = []
         for i, url in enumerate(self.route(request.route)):
+            if url in tried:
+                continue
             try:
                 if stream:
                     response = self._http.send(self._http.build_request("POST", f"{url}/v1/completions", json=body),
                                                stream=True)
                 else:
                     response = self._http.post(f"{url}/v1/completions", json=body)
-            except _FAILOVER as e:
+            except httpx.TransportError as e:  # refused, dropped, timed out or silent: nothing reached the caller
                 errors.append(f"{url}: {e!r}")
-            except httpx.HTTPError as e:  # a timeout: the replica may still be working on it
-                raise EngineError(f"replica {url} failed: {e!r}") from e
             else:
                 if response.status_code not in _RETRY_STATUS:
                     self.failovers += i > 0
@@ -132,9 +162,13 @@ class RemoteEngine:
                     return url, response
                 errors.append(f"{url}: HTTP {response.status_code}")
                 response.close()
-            self.replicas.mark_down(url)
-            log.warning("replica %s failed (%s); trying the next one", url, errors[-1])
-        raise EngineError(f"no replica answered: {'; '.join(errors)}")
+            self._failed(url, errors[-1], tried)
+        raise EngineError(f"no replica answered: {'; '.join(errors) or 'every replica failed this request'}")
+
+    def _failed(self, url: str, error: str, tried: list[str]) -> None:
+        tried.append(url)
+        self.replicas.mark_down(url)
+        log.warning("replica %s failed (%s); trying the next one", url, error)
 
     def encode(self, requests: list[EngineRequest]) -> None:
         """Run ENCODE requests; run() already waits for their blobs to appear."""
@@ -175,16 +209,23 @@ class RemoteEngine:
         EngineResult (without connector accounting)."""
         start = time.perf_counter()
         body = self._body(request) | {"stream": True, "stream_options": {"include_usage": True}}
-        _, response = self._send(request, body, stream=True)
-        got = _Streamed()
-        try:
-            _raise_for(response, request, read=True)
-            for index, text in got.deltas(response, cancel):
-                yield text if request.sampling.n == 1 else ChoiceDelta(index, text)
-        except httpx.HTTPError as e:  # the replica died mid-answer: too late to send it elsewhere
-            raise EngineError(f"the replica failed while streaming: {e!r}") from e
-        finally:
-            response.close()
+        tried: list[str] = []
+        while True:
+            url, response = self._send(request, body, stream=True, tried=tried)
+            got = _Streamed()
+            try:
+                _raise_for(response, request, read=True)
+                for index, text in got.deltas(response, cancel):
+                    yield text if request.sampling.n == 1 else ChoiceDelta(index, text)
+                break
+            except httpx.TransportError as e:
+                if got.text:  # the caller has part of the answer: too late to send it elsewhere
+                    raise EngineError(f"the replica failed while streaming: {e!r}") from e
+                self._failed(url, f"{e!r} before its first token", tried)
+            except httpx.HTTPError as e:
+                raise EngineError(f"the replica failed while streaming: {e!r}") from e
+            finally:
+                response.close()
         done = time.perf_counter()
         choices = got.completions(request.logprobs)
         yield EngineResult(choices[0].token_ids, choices[0].text, (got.first or done) - start, done - start,
@@ -305,6 +346,11 @@ def _completion(choice: dict, top_n: int | None) -> Completion:
 
 def _top(top: dict, n: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(((_id(t), lp) for t, lp in top.items()), key=lambda e: -e[1]))[:n]
+
+
+def _origin(url: str) -> tuple[str, int]:
+    u = httpx.URL(url)
+    return u.host, u.port or (443 if u.scheme == "https" else 80)
 
 
 def _raise_for(response: httpx.Response, request: EngineRequest, read: bool = False) -> None:

@@ -30,6 +30,12 @@ def served_names(settings: ServerSettings, config: Config) -> list[str]:
     return [name] if name == ALIAS else [name, ALIAS]
 
 
+def engine_dead(mem) -> bool:
+    """The in-process engine died for good (vLLM's engine process exited): the runtime rebuilds
+    it. A gateway's replicas come and go by themselves and are never rebuilt from here."""
+    return bool(getattr(getattr(mem, "engine", None), "dead", False))
+
+
 def create_app(settings: ServerSettings | None = None, config: Config | None = None,
                mem_factory: Callable[[], object] | None = None,
                on_engine_failure: Callable[[], None] | None = None) -> FastAPI:
@@ -42,7 +48,7 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
 
             return KVMem(config, background=True)
 
-    runtime = Runtime(mem_factory, settings.max_inflight, on_engine_failure)
+    runtime = Runtime(mem_factory, settings.max_inflight, on_engine_failure, dead=engine_dead)
     keys = KeyRing(settings.api_keys)
     mcp = HttpDoor(runtime, keys.tenant, host=settings.host)  # the MCP tools at /mcp (docs/agents.md)
 

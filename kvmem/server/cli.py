@@ -10,6 +10,9 @@ gateways and replicas can run side by side (docs/deploy.md).
 
 With no API keys configured (KVMEM_API_KEYS or [tenants] in --config) the server is open and
 binds a loopback address only, unless --allow-public-without-keys says otherwise.
+
+On SIGTERM (or Ctrl-C) the server drains: new requests get 503 with Retry-After while those in
+flight finish (up to the graceful timeout), then it stops; a second signal stops it at once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping
 
 from kvmem.config import Config, ConfigError
@@ -107,13 +111,37 @@ def _run(settings, config) -> int:
         server.should_exit = True
 
     app = create_app(settings, config, on_engine_failure=on_engine_failure)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
-                                           timeout_graceful_shutdown=int(settings.graceful_timeout_s),
-                                           log_level="info"))
+    server = _draining_server(uvicorn, uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
+                                                      timeout_graceful_shutdown=int(settings.graceful_timeout_s),
+                                                      log_level="info"),
+                              app.state.runtime, settings.graceful_timeout_s)
     log.info("kvmem serve: data in %s; the engine loads in the background (/health answers 503 until ready)",
              config.home)
     server.run()
     return 1 if failed else 0
+
+
+def _draining_server(uvicorn, config, runtime, drain_s: float):
+    """uvicorn's server, but the first SIGTERM/SIGINT drains before it stops: uvicorn's own
+    shutdown closes the port at once, so a caller would meet a refused connection, not a 503,
+    and a load balancer's health check could not see the instance leave first."""
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # runs in the main thread, as a signal handler
+            if runtime.draining or self.should_exit:
+                super().handle_exit(sig, frame)  # a second signal: uvicorn's own (forced) exit
+                return
+            runtime.draining = True
+            self._captured_signals.append(sig)  # re-raised after shutdown, as uvicorn does
+            log.info("signal %d: draining (new requests get 503) for up to %.0f s", sig, drain_s)
+            threading.Thread(target=self._drain, name="kvmem-drain", daemon=True).start()
+
+        def _drain(self) -> None:
+            idle = runtime.drain(drain_s)
+            log.info("drained%s; stopping", "" if idle else f": requests still in flight after {drain_s:.0f} s")
+            self.should_exit = True
+
+    return Server(config)
 
 
 def _logging(verbose: bool) -> None:

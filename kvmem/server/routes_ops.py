@@ -16,7 +16,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request):
     rt = request.app.state.runtime
-    if rt.mem is None:
+    if rt.mem is None or rt.draining:
         try:
             rt.require()  # 503 in OpenAI's error shape: loading, or why the start failed
         except ApiError as e:

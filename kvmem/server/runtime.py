@@ -3,6 +3,10 @@
 The engine loads in a thread, so the port is open at once and /health answers 503 until it is
 ready. Every call into KVMem (blocking) runs in the thread pool through `call`, which counts it,
 so shutdown can let in-flight calls finish before the engine closes.
+
+Two states answer every request with a 503 and a Retry-After, never a hang: draining (SIGTERM
+received: the calls in flight finish, new ones are sent elsewhere; cli.py) and restarting (the
+in-process engine died: a watchdog closes the KVMem and builds a new one, as at start).
 """
 
 from __future__ import annotations
@@ -36,11 +40,19 @@ class Gate:
         self.count -= 1
 
 
+WATCH_S = 0.5  # how often the watchdog asks whether the engine died
+DEATH_GRACE_S = 1.0
+RESTART_DRAIN_S = 30.0  # calls on a dead engine fail at once; this only bounds a stuck one
+
+
 class Runtime:
     def __init__(self, factory: Callable[[], object], max_inflight: int,
-                 on_failure: Callable[[], None] | None = None) -> None:
+                 on_failure: Callable[[], None] | None = None,
+                 dead: Callable[[object], bool] | None = None) -> None:
+        """dead(mem): whether its engine died for good (then it is rebuilt); None: never asked."""
         self._factory = factory
         self._on_failure = on_failure
+        self._dead = dead
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -49,10 +61,48 @@ class Runtime:
         self.error: str | None = None
         self.loaded = threading.Event()  # set once loading ended, ready or failed
         self.gate = Gate(max_inflight)
+        self.draining = False  # SIGTERM received: new requests get 503 while the ones in flight finish
+        self.restarting = False  # the engine died and is being rebuilt
+        self.restarts = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._load, name="kvmem-loader", daemon=True)
         self._thread.start()
+        if self._dead is not None:
+            threading.Thread(target=self._watch, name="kvmem-engine-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Runs on its own thread for the server's life: rebuilds the KVMem when its engine died."""
+        while not self._closing:
+            time.sleep(WATCH_S)
+            mem = self.mem
+            if mem is not None and not self.draining and self._dead(mem):
+                # A SIGTERM sent to the whole process group stops the engine too: the server's own
+                # handler (draining) gets a moment to say so before a death is taken as one.
+                time.sleep(DEATH_GRACE_S)
+                if not (self.draining or self._closing):
+                    self._restart(mem)
+
+    def _restart(self, mem) -> None:
+        died = time.perf_counter()
+        with self._lock:
+            if self._closing or self.mem is not mem:
+                return
+            self.mem, self.restarting = None, True
+        self.restarts += 1
+        log.error("the engine died; restarting it (requests get 503 until it is back)")
+        deadline = time.monotonic() + RESTART_DRAIN_S
+        while self._active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            mem.close()
+        except Exception:  # noqa: BLE001 - a dead engine may fail to close; the new one matters
+            log.exception("closing the dead engine failed")
+        self._thread = threading.current_thread()  # close() waits for this rebuild as for a first load
+        self._load_mem()
+        self.restarting = False
+        if self.mem is not None:
+            log.info("engine restarted %.1f s after it died", time.perf_counter() - died)
 
     def _load(self) -> None:
         try:
@@ -79,9 +129,15 @@ class Runtime:
         log.info("engine ready in %.1f s", time.perf_counter() - started)
 
     def require(self):
-        """The KVMem, or 503 while it loads (or if it failed to)."""
+        """The KVMem, or 503 while it loads (or if it failed to), restarts or drains."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another instance, or here once it is back",
+                           type="server_error", code="shutting_down", headers={"Retry-After": "5"})
         if self.mem is not None:
             return self.mem
+        if self.restarting:
+            raise ApiError(503, "the engine died and is restarting; retry shortly", type="server_error",
+                           code="engine_restarting", headers={"Retry-After": "10"})
         if self.error:
             raise ApiError(503, f"the engine failed to start: {self.error}", type="server_error", code="engine_failed")
         raise ApiError(503, "the engine is loading; retry shortly", type="server_error", code="engine_loading",
@@ -94,6 +150,24 @@ class Runtime:
             return await run_in_threadpool(fn, *args, **kwargs)
         finally:
             self._active -= 1
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests (503), then wait until none is in flight, up to timeout_s; -> whether
+        none is. Called on SIGTERM, before the server stops (cli.py)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        idle_since = None
+        while time.monotonic() < deadline:
+            if self._active or self.gate.count:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= 0.2:  # a request past require() but not yet counted
+                return True
+            time.sleep(0.02)
+        if self._active or self.gate.count:
+            log.warning("still in flight after %.0f s: %d calls, %d chats", timeout_s, self._active, self.gate.count)
+        return not (self._active or self.gate.count)
 
     def close(self, drain_s: float = 30.0, load_wait_s: float = 180.0) -> None:
         """Let in-flight calls finish (up to drain_s), then stop the encoder and the engine.
