@@ -123,3 +123,4 @@ class MemoryStatus:
     kv_bytes: int  # KV blobs on disk
     tiers: dict  # KVMem.kv_tiers()
     engine: Any  # engine.protocol.EngineStatus; None when opened without an engine
+    fact_encodes: int = 0  # facts this process sent to the engine to encode (each under its lease)

@@ -214,7 +214,8 @@ class KVMem:
         """A snapshot for /metrics and the CLI: facts, encode queue, blob bytes, tiers, engine."""
         return MemoryStatus(facts=self.facts.count(), encode_queue=self.encode_queue(),
                             kv_bytes=self.kv.total_bytes(), tiers=self.kv_tiers(),
-                            engine=self.engine.status() if self.engine is not None else None)
+                            engine=self.engine.status() if self.engine is not None else None,
+                            fact_encodes=self.encoder.sent if self.encoder is not None else 0)
 
     def close(self) -> None:
         self.retrieval.close()

@@ -62,7 +62,9 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     g.set_defaults(func=cmd_gateway)
     cl = bench.add_parser("cluster", help="simulated replicas routed by the real router: rendezvous vs residency, "
                                           "TTFT and resident-hit rate at several sizes, with replicas dying")
-    cl.add_argument("--replicas", type=_ints, default=(2, 10, 100), help="comma-separated sizes (default: 2,10,100)")
+    # dest "sizes": a "replicas" dest would be read as the gateway's --replicas (engine.url) by the config overlay
+    cl.add_argument("--replicas", dest="sizes", type=_ints, default=(2, 10, 100),
+                    help="comma-separated cluster sizes (default: 2,10,100)")
     cl.add_argument("--deaths", type=float, default=0.1, help="share of replicas that die mid-run (default: 0.1)")
     cl.add_argument("--joins", type=float, default=0.0,
                     help="also a run where this share of new, empty replicas joins mid-run (default: 0, none)")
@@ -259,7 +261,7 @@ def cmd_cluster(args, config) -> int:
     base = cluster_sim.Scenario(users_per_replica=args.users_per_replica, facts_per_user=args.facts_per_user, k=args.k,
                                 user_zipf=args.user_zipf, fact_zipf=args.fact_zipf, rate_per_replica=args.rate,
                                 seconds=args.seconds, warmup_s=args.warmup, seed=args.seed)
-    result = cluster_sim.run(replicas=args.replicas, deaths=args.deaths, joins=args.joins, base=base,
+    result = cluster_sim.run(replicas=args.sizes, deaths=args.deaths, joins=args.joins, base=base,
                              speedup=args.compute_speedup)
     print(cluster_report.report(result, (args.out or RESULTS) / args.name))
     return 0

@@ -80,10 +80,9 @@ class _StoreCollector:
         engine = status.engine
         yield CounterMetricFamily("kvmem_requests_aborted", "Engine requests aborted because their caller went away",
                                   value=engine.aborted if engine else 0)
-        if mem.encoder is not None:  # read live, not from the cached status
-            yield CounterMetricFamily("kvmem_fact_encodes", "Facts this process sent to the engine to encode, each "
-                                      "under its lease (summed over gateways: a fact counted twice was encoded twice)",
-                                      value=mem.encoder.sent)
+        yield CounterMetricFamily("kvmem_fact_encodes", "Facts this process sent to the engine to encode, each "
+                                  "under its lease (summed over gateways: a fact counted twice was encoded twice)",
+                                  value=status.fact_encodes)
         if engine is not None and engine.kind == "remote":  # behind replicas (kvmem gateway)
             family = CounterMetricFamily("kvmem_replica_requests", "Engine requests answered per replica; affinity "
                                          "'first' when it was the user's first choice (rendezvous hashing)",

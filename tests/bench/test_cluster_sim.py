@@ -128,3 +128,13 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert {r["replicas"] for r in result["rows"]} == {1, 3} and result["sources"] == cluster_sim.SOURCES
     assert result["scenario"]["user_zipf"] == 0.5
     assert (tmp_path / "c-zipf0.5.png").stat().st_size > 10_000
+
+
+def test_the_cluster_sizes_are_not_read_as_replica_urls():
+    """`bench cluster --replicas 2,10` once reached the config overlay as the gateway's
+    --replicas (engine.url = the sizes)."""
+    from kvmem.cli.parser import build_parser
+    from kvmem.config_overlay import from_args
+
+    args = build_parser().parse_args(["bench", "cluster", "--replicas", "2,10"])
+    assert args.sizes == (2, 10) and from_args(args, env={}).config.engine.url is None
