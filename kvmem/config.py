@@ -48,6 +48,9 @@ class EngineConfig:
       and keep them on GPUs (CUDA graphs make small decode steps much cheaper there).
     url: a kvmem replica (`kvmem replica`: vLLM's stock OpenAI server with kvmem's connector) to
       send requests to instead of starting vLLM in this process; it must share the KV folder.
+    members: read the replicas from the membership table in database_url (PostgreSQL), where
+      `kvmem replica --database-url` registers each replica while it serves, instead of a static
+      url list (which wins when also given); a gateway with no --replicas does this by itself.
     connect_timeout_s: with url, seconds to open a connection to a replica before trying the next.
     reply_timeout_s: with url, the longest a replica may stay silent on a request before it is
       passed over and the request sent to the next (a non-streamed reply comes whole, after its
@@ -88,6 +91,7 @@ class EngineConfig:
     load_format: str = "auto"
     enforce_eager: bool | None = None
     url: str | None = None
+    members: bool = False
     connect_timeout_s: float = 5.0
     reply_timeout_s: float = 600.0
     vllm_args: tuple[str, ...] = ()

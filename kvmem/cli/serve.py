@@ -17,19 +17,48 @@ from kvmem.config_overlay import add_engine_options
 
 
 def cmd_replica(args: argparse.Namespace, config: Config) -> int:
-    """Exec vLLM's server with kvmem's connector; --kv-shared-url reached config.kv through the overlay."""
+    """Exec vLLM's server with kvmem's connector; --kv-shared-url reached config.kv through the overlay.
+    With --database-url (a PostgreSQL URL) this process stays as the server's parent and keeps it
+    registered while it serves (engine/replica_lease.py); --drain URL only marks one draining."""
     import shlex
 
     from kvmem.engine import replica
     from kvmem.model import resolve_model
 
+    if args.drain:
+        return _drain(args.drain, config)
     model = resolve_model(config.engine.model, config.models_dir, config.engine.dtype)
     cmd = replica.command(config, model, host=args.host, port=args.port)
     env = replica.environment(config)
     if args.print:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
+    if (config.database_url or "").startswith(("postgresql://", "postgres://")):
+        from kvmem.engine.membership import Registry
+        from kvmem.engine.replica_lease import supervise
+
+        import socket
+
+        anywhere = args.host in ("0.0.0.0", "::")
+        local = f"http://{'127.0.0.1' if anywhere else args.host}:{args.port}"
+        advertised = args.advertise_url or (f"http://{socket.getfqdn()}:{args.port}" if anywhere else local)
+        return supervise(cmd, {**os.environ, **env}, Registry(config.database_url), advertised.rstrip("/"),
+                         model.fingerprint, local_url=local, drain_s=args.drain_seconds)
     os.execve(cmd[0], cmd, {**os.environ, **env})  # the replica is vLLM's process from here on
+
+
+def _drain(url: str, config: Config) -> int:
+    """`kvmem replica --drain URL`: gateways send that replica nothing new from their next read."""
+    from kvmem.engine.membership import Registry
+
+    if not config.database_url:
+        print("kvmem replica --drain needs --database-url (the membership table's PostgreSQL)", file=sys.stderr)
+        return 2
+    if not Registry(config.database_url).drain(url.rstrip("/")):
+        print(f"kvmem replica --drain: {url} is not registered", file=sys.stderr)
+        return 1
+    print(f"{url} drains: gateways send it nothing new; stop it once its requests are done")
+    return 0
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -78,6 +107,14 @@ def add_parsers(sub) -> None:
     p.add_argument("--kv-shared-url", help="Redis URL of the shared KV tier (KVMEM_KV_SHARED_URL): blobs this "
                                            "replica lacks are pulled from there, and those it encodes stored there")
     p.add_argument("--print", action="store_true", help="print the command and environment, do not start it")
+    p.add_argument("--database-url", help="PostgreSQL URL of the membership table (KVMEM_DATABASE_URL): the replica "
+                                          "registers there while it serves, and gateways without --replicas find it")
+    p.add_argument("--advertise-url", help="the URL gateways reach this replica at (default: http://HOST:PORT; "
+                                           "with --host 0.0.0.0, this machine's host name)")
+    p.add_argument("--drain", metavar="URL", help="mark the registered replica at URL draining and exit: gateways "
+                                                 "send it nothing new, what it has finishes")
+    p.add_argument("--drain-seconds", type=float, default=5.0,
+                   help="on SIGTERM, seconds a registered replica drains before its server stops (default: 5)")
     add_engine_options(p)
     p.set_defaults(func=cmd_replica)
 

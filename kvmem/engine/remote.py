@@ -45,6 +45,7 @@ from typing import Callable, Iterator
 import httpx
 
 from kvmem.engine import watched
+from kvmem.engine.membership import Registry, Watcher
 from kvmem.engine.health import PROBE_S, Health, served_models
 from kvmem.connector.plan import ENCODE, InjectionReport
 from kvmem.engine.protocol import BLOB_WAIT_S, ChoiceDelta, Completion, EngineRequest, EngineResult, EngineStatus
@@ -74,6 +75,11 @@ class Timeouts:
         return httpx.Timeout(self.reply_s, connect=self.connect_s)
 
 
+def _normalized(urls: str | list[str]) -> list[str]:
+    """Base URLs from a comma-separated string or a list, without blanks or trailing slashes."""
+    return [u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls) if u.strip()]
+
+
 def rendezvous(key: str, urls: list[str]) -> list[str]:
     """`urls` in `key`'s order of preference (highest random weight first)."""
     return sorted(urls, key=lambda u: hashlib.blake2b(f"{key}\0{u}".encode(), digest_size=8).digest(), reverse=True)
@@ -81,13 +87,16 @@ def rendezvous(key: str, urls: list[str]) -> list[str]:
 
 class RemoteEngine:
     def __init__(self, urls: str | list[str], model: ModelInfo, blobs: KVStore, *, use_reader: bool = True,
-                 timeouts: Timeouts = Timeouts(), workers: int = 32, probe_s: float | None = PROBE_S) -> None:
+                 timeouts: Timeouts = Timeouts(), workers: int = 32, probe_s: float | None = PROBE_S,
+                 members: Registry | None = None) -> None:
         """urls: one replica's base URL, several in a list or comma-separated. blobs: the store the
         replicas write to, as this process sees it (only stamps are read: encodes wait for them).
         use_reader: False (reader_adapter "off") keeps KV-mode chats on the plain model even where
-        a replica has one. probe_s: seconds between health probes of the replicas (None: none)."""
-        self.urls = [u.strip().rstrip("/") for u in (urls.split(",") if isinstance(urls, str) else urls) if u.strip()]
-        if not self.urls:
+        a replica has one. probe_s: seconds between health probes of the replicas (None: none).
+        members: the membership table (membership.py) to follow instead of a fixed `urls` list:
+        replicas that register serve our weights are routed to, those that drain or lapse no more."""
+        self.urls = _normalized(urls)
+        if not self.urls and members is None:
             raise EngineError("no replica URL given")
         self.model = model
         self.name = served_name(model)
@@ -101,11 +110,35 @@ class RemoteEngine:
         self._http = httpx.Client(timeout=timeouts.httpx(), transport=watched.transport(self._silent))
         self._blobs = blobs
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvmem-remote")
-        down = self._check_models()
+        down = self._check_models() if members is None else []
         # Probed from now on, the weights being checked; those down at start are passed over.
         self.replicas = Health(self.urls, lambda ids: self.name in ids, probe_s=probe_s)
         for url in down:
             self.replicas.mark_down(url)
+        # With a membership table the live set arrives now (Watcher calls set_replicas at once) and on every change.
+        self._watcher = Watcher(members, model.fingerprint, self.set_replicas) if members is not None else None
+
+    def set_replicas(self, urls: list[str]) -> None:
+        """Route to these replicas from now on (the membership Watcher's thread calls it). New
+        ones are asked for their models first: one serving other weights is left out, one not
+        answering yet is kept but passed over until a probe finds it up. Requests already sent
+        keep their replica (a drained one finishes them)."""
+        urls = _normalized(urls)
+        for url in (u for u in list(urls) if u not in self.urls):
+            try:
+                served = served_models(self._http, url)
+            except (httpx.HTTPError, KeyError, ValueError) as e:
+                log.warning("new replica %s does not answer yet (%s): passed over until it does", url, e)
+                self.replicas.mark_down(url)
+                continue
+            if self.name not in served:
+                log.error("replica %s registered for our weights but serves %s: left out", url, served)
+                urls.remove(url)
+            elif self._use_reader and reader_name(self.model) in served:
+                self.reader_adapter = reader_name(self.model)
+        # One assignment each: routing and probing threads read whole lists, never a list being changed.
+        self.urls = urls
+        self.replicas.urls = urls
 
     def _silent(self, host: str, port: int) -> bool:
         """watched.py's question for a waiting read: has the replica at host:port gone silent?"""
@@ -283,6 +316,8 @@ class RemoteEngine:
             return False
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
         self.replicas.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()

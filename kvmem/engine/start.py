@@ -11,12 +11,14 @@ from kvmem.model import ModelInfo
 
 def start_engine(config: Config, model: ModelInfo, blobs: KVStore) -> Engine:
     """`blobs`: the KV store as this process sees it (a RemoteEngine waits on its stamps)."""
-    if config.engine.url:  # a replica serves (kvmem replica); no vLLM in this process
+    if config.engine.url or config.engine.members:  # replicas serve (kvmem replica); no vLLM in this process
+        from kvmem.engine.membership import Registry
         from kvmem.engine.remote import RemoteEngine, Timeouts
 
         timeouts = Timeouts(config.engine.connect_timeout_s, config.engine.reply_timeout_s)
-        return RemoteEngine(config.engine.url, model, blobs, use_reader=config.kv.reader_adapter != "off",
-                            timeouts=timeouts)
+        members = Registry(config.database_url or "") if not config.engine.url else None  # a static list wins
+        return RemoteEngine(config.engine.url or [], model, blobs, use_reader=config.kv.reader_adapter != "off",
+                            timeouts=timeouts, members=members)
     from kvmem.engine.llm import LocalEngine
     from kvmem.engine.replica import engine_kwargs
 

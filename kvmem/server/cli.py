@@ -7,6 +7,7 @@ processes over HTTP, and keeps facts in PostgreSQL and blobs in a shared Redis t
 gateways and replicas can run side by side (docs/deploy.md).
 
     kvmem gateway --replicas URL[,URL...] [--database-url postgresql://...] [--kv-shared-url redis://...]
+    kvmem gateway --database-url postgresql://... [--kv-shared-url redis://...]   (replicas that register)
 
 With no API keys configured (KVMEM_API_KEYS or [tenants] in --config) the server is open and
 binds a loopback address only, unless --allow-public-without-keys says otherwise.
@@ -23,6 +24,7 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 
 from kvmem.config import Config, ConfigError
 from kvmem.config_overlay import add_common_options, add_engine_options
@@ -42,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser, *, gateway: bool) -> None:
     p.add_argument("--allow-public-without-keys", action="store_true", default=None,
                    help="bind a non-loopback address with no API keys configured (anyone can read any memory)")
     if gateway:
-        p.add_argument("--replicas", help="comma-separated base URLs of `kvmem replica` processes (KVMEM_ENGINE_URL)")
+        p.add_argument("--replicas", help="comma-separated base URLs of `kvmem replica` processes (KVMEM_ENGINE_URL); "
+                                          "without it, the replicas registered in --database-url's PostgreSQL")
         p.add_argument("--database-url", help="PostgreSQL URL for facts, history and vectors (KVMEM_DATABASE_URL); "
                                               "without it, SQLite in --home (one gateway only)")
         p.add_argument("--kv-shared-url", help="Redis URL of the shared KV tier (KVMEM_KV_SHARED_URL); without it, "
@@ -95,7 +98,10 @@ def settings_of(args: argparse.Namespace, env: Mapping[str, str], *,
     gateway without a replica to send to is refused."""
     settings, config = load(getattr(args, "config_file", None), env, vars(args))
     if gateway and not config.engine.url:
-        raise SettingsError("a gateway needs replicas: --replicas URL[,URL...] or KVMEM_ENGINE_URL")
+        if not (config.database_url or "").startswith(("postgresql://", "postgres://")):
+            raise SettingsError("a gateway needs replicas: --replicas URL[,URL...] (KVMEM_ENGINE_URL), or "
+                                "--database-url postgresql://... where `kvmem replica --database-url` registers them")
+        config = replace(config, engine=replace(config.engine, members=True))  # the replicas that register
     return settings, config
 
 

@@ -90,6 +90,13 @@ class _StoreCollector:
             for url, first, n in engine.answered:
                 family.add_metric([url, "first" if first else "other"], n)
             yield family
+            routed = GaugeMetricFamily("kvmem_replica_up", "Replicas this gateway routes to now (a static list, or "
+                                       "the live members): 1 up, 0 passed over until a probe finds it up",
+                                       labels=["replica"])
+            for up, urls in ((1, engine.replicas_up), (0, engine.replicas_down)):
+                for url in urls:
+                    routed.add_metric([url], up)
+            yield routed
 
 
 def _tier_metrics(tiers: dict):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +56,10 @@ def topology(tmp_path_factory, postgres_url, redis_url):
         conn.execute(f"CREATE DATABASE {db}")
     db_url = postgres_url.rsplit("/", 1)[0] + "/" + db
     stores = {"KVMEM_KV_SHARED_URL": redis_url}
-    replicas = [_start(f"replica-{i}", tmp_path_factory.mktemp(f"replica-{i}"), ["replica"], stores) for i in (1, 2)]
+    # Each replica registers itself in PostgreSQL's membership table while it serves (gateways A
+    # and B are given a static --replicas list all the same; the members gateway reads the table).
+    registered = ["replica", "--database-url", db_url, "--drain-seconds", "0"]
+    replicas = [_start(f"replica-{i}", tmp_path_factory.mktemp(f"replica-{i}"), registered, stores) for i in (1, 2)]
     procs = list(replicas)
     try:
         for r in replicas:
@@ -80,6 +85,18 @@ def keyed_gateway(topology, tmp_path_factory):
            "KVMEM_API_KEYS": ",".join(f"{tenant}={key}" for tenant, key in KEYS.items())}
     gateway = _start("gateway-keyed", tmp_path_factory.mktemp("gateway-keyed"),
                      ["gateway", "--replicas", urls, "--database-url", topology["db_url"]], env)
+    try:
+        _wait(gateway, "/health")
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+@pytest.fixture(scope="module")
+def members_gateway(topology, tmp_path_factory):
+    """A gateway with no --replicas: it routes to the replicas registered in the membership table."""
+    gateway = _start("gateway-members", tmp_path_factory.mktemp("gateway-members"),
+                     ["gateway", "--database-url", topology["db_url"]], {"KVMEM_KV_SHARED_URL": topology["redis_url"]})
     try:
         _wait(gateway, "/health")
         yield gateway
@@ -367,6 +384,75 @@ def test_two_gateways_under_a_write_burst_encode_each_fact_once(topology, keyed_
     print(f"\n{len(ids)} facts encoded in {burst_s:.1f} s: {replica_encodes:.0f} encodes finished by the replicas,"
           f" {gateway_encodes:.0f} sent")
     assert replica_encodes == len(ids) and gateway_encodes == len(ids)
+
+
+def _routed(gateway: KvmemProcess) -> dict[str, float]:
+    """replica URL -> 1 (routed to) or 0 (passed over), from the gateway's kvmem_replica_up."""
+    lines = httpx.get(gateway.url + "/metrics", timeout=30).text.splitlines()
+    return {line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines if line.startswith("kvmem_replica_up{")}
+
+
+def _answered(gateway: KvmemProcess, replica: KvmemProcess) -> float:
+    name = "kvmem_replica_requests_total{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(gateway.url + "/metrics", timeout=30).text.splitlines()
+               if line.startswith(name) and f'replica="{replica.url}"' in line)
+
+
+def test_replicas_join_drain_and_lapse_without_restarting_a_gateway(topology, members_gateway, tmp_path_factory):
+    """Issue 54: the members gateway follows the membership table. A replica started while it
+    runs gets its users' chats; drained, it finishes the chat it has and gets no new one; killed
+    (SIGKILL: no leave), it is out of the gateway's set within its lease."""
+    from kvmem.engine.membership import LEASE_S, REFRESH_S, Registry
+
+    replicas, gateway = topology["replicas"], members_gateway
+    _until(lambda: set(_routed(gateway)) == {r.url for r in replicas}, timeout=30, what="the registered replicas")
+    newcomer = _start("replica-3", tmp_path_factory.mktemp("replica-3"),
+                      ["replica", "--database-url", topology["db_url"], "--drain-seconds", "0"],
+                      {"KVMEM_KV_SHARED_URL": topology["redis_url"]})
+    try:
+        _wait(newcomer, "/v1/models")
+        _until(lambda: _routed(gateway).get(newcomer.url) == 1, timeout=30, what="the new replica being routed to")
+        user = _user_on(newcomer, [*replicas, newcomer], "joined")
+        _add(gateway, user, ["My boat is called Petrel."])
+        with _client(gateway) as c:
+            assert _chat(c, user, "What is my boat called?").status_code == 200
+        assert _answered(gateway, newcomer) > 0  # its users' chats go there, no gateway restarted
+
+        # Drained with a chat in flight: that chat finishes there, the next goes elsewhere.
+        with ThreadPoolExecutor(1) as pool, _client(gateway) as c:
+            long = pool.submit(c.post, "/v1/chat/completions", json={
+                "model": "kvmem", "messages": [{"role": "user", "content": "Tell me a long story about my boat."}],
+                "max_tokens": 160, "logit_bias": {str(_eos()): -100}, "memory": {"user_id": user, "k": 1}})
+            time.sleep(1.0)
+            drain = subprocess.run([sys.executable, "-m", "kvmem.cli", "replica", "--drain", newcomer.url,
+                                    "--database-url", topology["db_url"]], capture_output=True, text=True, timeout=60)
+            assert drain.returncode == 0, drain.stderr
+            _until(lambda: newcomer.url not in _routed(gateway), timeout=10, what="the drained replica leaving the set")
+            assert long.result().status_code == 200
+        before = _answered(gateway, newcomer)
+        with _client(gateway) as c:
+            assert _chat(c, user, "What is my boat called?").status_code == 200
+        assert _answered(gateway, newcomer) == before
+
+        # Back (as if restarted), then killed without leaving: out within its lease.
+        Registry(topology["db_url"]).register(newcomer.url, _fingerprint(), lease_s=LEASE_S)
+        _until(lambda: _routed(gateway).get(newcomer.url) == 1, timeout=10, what="the replica routed to again")
+        newcomer.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        _until(lambda: newcomer.url not in _routed(gateway), timeout=LEASE_S + REFRESH_S + 10,
+               what="the killed replica's lease running out")
+        print(f"\nkilled replica out of the gateway's set after {time.monotonic() - killed:.1f} s (lease {LEASE_S:.0f} s)")
+    finally:
+        newcomer.stop(signal.SIGKILL)
+
+
+def _eos() -> int:
+    from transformers import AutoTokenizer
+
+    from kvmem.model import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(None, default_home() / "models").path).eos_token_id
 
 
 def test_a_replica_sigkilled_under_load_loses_no_acknowledged_write(topology):
