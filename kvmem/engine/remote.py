@@ -8,6 +8,8 @@ Redis tier when one is configured (kv/shared.py); this process must see the same
 its `blobs` store (the same folder on one host, or the same shared tier), since encodes resolve
 once their blobs are there, as they do in process.
 
+The replicas are a fixed list, or the live members of the membership table in PostgreSQL
+(membership.py: replicas register themselves, gateways follow the table, `set_replicas`).
 With several replicas, each user's requests go to one of them, chosen by rendezvous hashing of
 the user id (so that replica's prefix cache and RAM tier stay warm for them, and adding or
 losing a replica moves only the users it had). A replica that refuses connections or answers
