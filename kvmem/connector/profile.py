@@ -4,6 +4,7 @@ Both halves of the connector time their own work with a `Stopwatch`:
 - scheduler side (engine-core process): `lookup` (blob header checks and RAM-tier warm-up while
   claiming), `plan` (block ids -> load job), `meta` (this step's loads and saves for the worker);
 - worker side (worker process): `blob_reads` (fetching the blobs from the RAM tier or disk),
+  `premap` (the reader's KV map applied to blobs the mapped tier has not seen: once per fact),
   `staging` (gathering their tokens into the host staging buffer), `placement` (decoding and
   re-positioning keys, the KV map), `scatter` (the backend's cache-update op writing pages),
   `recompute` (selective recompute).
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from typing import Iterator, Mapping
 
 SCHEDULER_STAGES = ("lookup", "plan", "meta")
-WORKER_STAGES = ("blob_reads", "staging", "placement", "scatter", "recompute")
+WORKER_STAGES = ("blob_reads", "premap", "staging", "placement", "scatter", "recompute")
 KEEP = 1024  # requests whose timings wait for their report, at most (the oldest go first)
 
 

@@ -220,7 +220,8 @@ class WorkerSide:
         blobs = [blob for blob, _ in fetched]
         for _, in_ram in fetched:
             self.tier_counts["ram_hits" if in_ram else "disk_loads"] += 1
-        premapped = self._premapped(jobs, blobs)
+        with self.watch.stage("premap"):  # a fact the mapped tier has not seen is mapped now, once
+            premapped = self._premapped(jobs, blobs)
         codec = blobs[0].codec if len({b.codec for b in blobs}) == 1 else None
         if codec is None:  # a codec change left blobs of two codecs: decode on the host (rare)
             blobs = [_decoded(b) for b in blobs]
@@ -233,15 +234,10 @@ class WorkerSide:
         slot_buf, parts = buffers[0], buffers[1:]
         slot_buf.copy_(slots)
         names = [(role, name) for role in ("keys", "values") for name in getattr(blobs[0], role).parts]
-        start = 0
-        src = torch.empty(n, dtype=torch.long)  # where each token's key was rotated to when encoded
-        for span, blob in zip(spans, blobs):
-            end = start + span.length
-            for (role, name), buf in zip(names, parts):
-                buf[:, start:end] = getattr(blob, role).parts[name][:, span.src : span.src + span.length]
-            first = -1 if blob.key_position is None else blob.key_position + span.src
-            src[start:end] = torch.arange(first, first + span.length) if first >= 0 else -1
-            start = end
+        for (role, name), buf in zip(names, parts):  # one copy op per part: the spans side by side
+            torch.cat([getattr(b, role).parts[name][:, s.src : s.src + s.length] for s, b in zip(spans, blobs)],
+                      dim=1, out=buf)
+        src = _encoded_positions(spans, blobs)
         by_role = {"keys": {}, "values": {}}
         for (role, name), buf in zip(names, parts):
             by_role[role][name] = buf
@@ -350,6 +346,16 @@ class _Staged:
         self.dst = dst  # [N] serving position
         self.mapped = mapped  # [N] bool: tokens that go through the reader's KV map; None when none does
         self.token_ids = token_ids  # [N] the blobs' tokens (what a recompute embeds)
+
+
+def _encoded_positions(spans: list, blobs: list[KVBlob]) -> torch.Tensor:
+    """[N] the position each staged token's key was rotated to when encoded, spans one after
+    another (-1 for a blob stored pre-RoPE)."""
+    lengths = torch.tensor([s.length for s in spans])
+    firsts = torch.tensor([-1 if b.key_position is None else b.key_position + s.src for s, b in zip(spans, blobs)])
+    first = torch.repeat_interleave(firsts, lengths)  # [N]
+    offset = torch.arange(len(first)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    return torch.where(first >= 0, first + offset, -1)
 
 
 def _decode_layer(codec: str, parts: dict[str, torch.Tensor], layer: int, device: torch.device) -> torch.Tensor:
