@@ -65,6 +65,17 @@ def _invalid_input(message: str, param: str | None, code: str) -> InvalidInputEr
     return InvalidInputError(message, param=param, code=code)
 
 
+class StoreUnavailableError(KvmemError):
+    """The facts database could not be reached, or refused a statement for lack of resources
+    (disk full, too many connections). A write that raised it was rolled back, unless the
+    connection was lost during COMMIT itself (outcome unknown: adding the same text again is a
+    no-op, de-duplication makes the retry safe). The HTTP server answers 503 with Retry-After."""
+
+    code = "store_unavailable"
+    param = None
+    RETRY_AFTER_S = 2  # what a caller is told to wait: a restart or failover takes seconds
+
+
 class EngineError(KvmemError):
     """The inference engine failed to start or to answer."""
 

@@ -21,8 +21,11 @@ that speaks its `?`/`:name` placeholders) on `PgDialect`. What differs from SQLi
 * A dropped connection (server restart, pg_terminate_backend) is re-opened on the next call.
   A call that starts on a dead connection is retried once on a fresh one when nothing of it can
   have applied (a read, or the BEGIN of a write); a write whose connection dies mid-transaction
-  raises KvmemError and was rolled back by the server. Only a loss during COMMIT itself leaves
-  the outcome unknown, as with any database client.
+  raises StoreUnavailableError and was rolled back by the server. Only a loss during COMMIT
+  itself leaves the outcome unknown, as with any database client. A server that cannot be
+  reached, or refuses a statement for lack of resources (SQLSTATE class 53: disk full, out of
+  memory, too many connections; 57: shutting down), raises StoreUnavailableError too: the
+  HTTP server answers 503 with Retry-After (tests/faults/test_storage_faults.py).
 * PostgreSQL text cannot hold NUL characters: a context or text with one is refused
   (InvalidInputError), where SQLite would store it.
 
@@ -51,7 +54,7 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
-from kvmem.errors import InvalidInputError, KvmemError
+from kvmem.errors import InvalidInputError, KvmemError, StoreUnavailableError
 from kvmem.facts import schema
 from kvmem.facts.dialect import Connection
 from kvmem.facts.records import SCHEMA_VERSION
@@ -222,7 +225,9 @@ class _PgConnection:
         try:
             return self._do(raw, action)
         except psycopg.OperationalError as e:
-            if not (idle and raw.broken):
+            if not raw.broken:  # the server refused it (disk full, too many connections): rolled back
+                raise StoreUnavailableError(f"PostgreSQL at {_redacted(self._url)} refused the statement: {e}") from e
+            if not idle:
                 raise _lost(self._url, e) from e
             log.warning("fact store connection to %s lost (%s); reconnecting", _redacted(self._url), e)
             try:
@@ -256,14 +261,14 @@ def _connect(url: str) -> psycopg.Connection:
         return psycopg.connect(url, autocommit=True, cursor_factory=psycopg.ClientCursor,
                                row_factory=_row_factory, **timeout)
     except psycopg.OperationalError as e:
-        raise KvmemError(f"cannot connect to PostgreSQL at {_redacted(url)}: {e}") from e
+        raise StoreUnavailableError(f"cannot connect to PostgreSQL at {_redacted(url)}: {e}") from e
     except psycopg.ProgrammingError as e:  # a url libpq cannot parse
         raise InvalidInputError(f"bad database url {_redacted(url)}: {e}", param="database_url") from None
 
 
-def _lost(url: str, error: Exception) -> KvmemError:
-    return KvmemError(f"lost the connection to PostgreSQL at {_redacted(url)} (a write in progress was "
-                      f"rolled back, unless it was lost during COMMIT; the next call reconnects): {error}")
+def _lost(url: str, error: Exception) -> StoreUnavailableError:
+    return StoreUnavailableError(f"lost the connection to PostgreSQL at {_redacted(url)} (a write in progress "
+                                 f"was rolled back, unless it was lost during COMMIT; the next call reconnects): {error}")
 
 
 def _redacted(url: str) -> str:

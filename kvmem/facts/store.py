@@ -174,20 +174,21 @@ class FactStore(Expiry, Bulk, Changes):
         return [row["id"] for row in rows]
 
     def set_kv_status(self, fact_id: str, status: str, *, if_text: str | None = None) -> bool:
-        """Record the KV encoder's outcome; 'failed' counts an attempt.
+        """Record the KV encoder's outcome; 'failed' counts an attempt. 'pending' (a new reason to
+        encode: the blob failed at serving time, or vanished) starts the count again: a fact
+        re-queued with its attempts spent (all met a full KV disk, say) was left pending and
+        never encoded (tests/faults/test_storage_faults.py).
 
         With `if_text`, nothing is written (and False returned) unless the fact still has that
         text, so an encoder that raced an update cannot mark the new text as encoded.
         """
         if status not in KV_STATUSES:
             raise InvalidInputError(f"kv status must be one of {KV_STATUSES}, got {status!r}", param="status")
+        attempts = {"failed": "kv_attempts + 1", "pending": "0"}.get(status, "kv_attempts")
         with self._tx() as conn:
             if not sql.still(sql.fetch(conn, fact_id), if_text):
                 return False
-            failed = int(status == "failed")
-            conn.execute(
-                "UPDATE facts SET kv_status = ?, kv_attempts = kv_attempts + ? WHERE id = ?", (status, failed, fact_id)
-            )
+            conn.execute(f"UPDATE facts SET kv_status = ?, kv_attempts = {attempts} WHERE id = ?", (status, fact_id))
         return True
 
     def set_embedding(self, fact_id: str, vec: Any, *, if_text: str | None = None) -> bool:

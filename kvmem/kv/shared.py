@@ -166,15 +166,20 @@ class SharedTier:
             delay = min(delay * 2, 5.0)
 
     def _deliver(self, message: dict, on_forget) -> bool:
-        """-> whether it was a subscription (which calls for a resync)."""
+        """-> whether it was a subscription (which calls for a resync). A resync that fails (the
+        tier answers the subscriber but not yet the client, which fails fast for RETRY_AFTER_S
+        after an outage) raises, so the listener subscribes again and resyncs again: forgets
+        missed while away must not be dropped."""
         kind = message.get("type")
         if kind not in ("subscribe", "message"):
             return False
         fact_id = message["data"].decode() if kind == "message" else None
         try:
             on_forget(fact_id)
-        except Exception:  # noqa: BLE001 - the listener must outlive one bad callback
-            log.exception("shared KV tier %s: forgetting %s failed", self.url, fact_id or "(resync)")
+        except Exception as e:  # noqa: BLE001 - the listener must outlive one bad callback
+            if fact_id is None:
+                raise RedisConnectionError(f"resync failed: {e}") from e
+            log.exception("shared KV tier %s: forgetting %s failed", self.url, fact_id)
         return kind == "subscribe"
 
     def _call(self, fact_id: str, fn):

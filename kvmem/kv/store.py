@@ -7,7 +7,8 @@
 With a shared tier, it is authoritative and each process's folder is a cache of it: put() writes
 the shared tier, then the local file, and returns once both hold the blob (so a blob reported
 encoded survives the loss of the replica that made it); a read that finds no local file pulls the
-blob into the folder first (a failover replica serves blobs it never encoded). delete() removes
+blob into the folder first (a failover replica serves blobs it never encoded; a folder that
+cannot take it, a full disk, makes the blob MISSING there: served as text). delete() removes
 the blob there, which publishes a forget: every store of that tier drops its local file and RAM
 entry (a listener thread per store). Messages missed while disconnected are made up for by a
 reconcile after each (re)subscription, the first included: local files the shared tier no longer
@@ -234,7 +235,14 @@ class KVStore:
             got = self._tier.get(fact_id)
             if got is None:
                 return
-            if self._install(fact_id, *got):
+            try:
+                installed = self._install(fact_id, *got)
+            except OSError as e:
+                # A full or failing local disk: the blob is unusable here (served as text), and
+                # never an OSError out of vLLM's scheduler, which would end the engine.
+                raise BlobError(fact_id, BlobError.MISSING,
+                                f"cannot copy it from the shared tier into {self.dir}: {e}") from e
+            if installed:
                 with self._lock:
                     self.shared_pulls += 1
                 return

@@ -1,8 +1,10 @@
 """Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the right status.
 
 Bad input is never a 500: pydantic's validation errors and kvmem's InvalidInputError become
-400/413/422, unknown (or another tenant's) ids 404. Anything unexpected becomes a 500 that
-carries the request id, which is also in the log (see middleware.py).
+400/413/422, unknown (or another tenant's) ids 404. A facts database that cannot be reached or
+is full (StoreUnavailableError) is a 503 `store_unavailable` with Retry-After, the engine's
+failures a 503 `engine_unavailable`. Anything unexpected becomes a 500 that carries the request
+id, which is also in the log (see middleware.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmem.config import ConfigError
-from kvmem.errors import EngineError, InvalidInputError, UnknownFactError
+from kvmem.errors import EngineError, InvalidInputError, StoreUnavailableError, UnknownFactError
 
 INVALID = "invalid_request_error"
 
@@ -99,6 +101,13 @@ async def _on_engine(request: Request, exc: EngineError) -> JSONResponse:
     return ApiError(503, f"the engine is unavailable: {exc}", type="server_error", code="engine_unavailable").response()
 
 
+async def _on_store(request: Request, exc: StoreUnavailableError) -> JSONResponse:
+    """Retrying is safe: a write was rolled back whole, or committed before the database went
+    away (an add retried then finds its fact again: de-duplication)."""
+    return ApiError(503, f"the facts database is unavailable: {exc}", type="server_error", code=exc.code,
+                    headers={"Retry-After": str(exc.RETRY_AFTER_S)}).response()
+
+
 async def _on_config(request: Request, exc: ConfigError) -> JSONResponse:
     """A setting found wrong only when a request needed it (e.g. prompt.tool_call_parser): the
     server's fault, said plainly rather than as an anonymous internal error."""
@@ -112,4 +121,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(UnknownFactError, _on_unknown_fact)
     app.add_exception_handler(InvalidInputError, _on_invalid)
     app.add_exception_handler(EngineError, _on_engine)
+    app.add_exception_handler(StoreUnavailableError, _on_store)
     app.add_exception_handler(ConfigError, _on_config)
