@@ -97,8 +97,12 @@ async def _on_invalid(request: Request, exc: InvalidInputError) -> JSONResponse:
     return from_invalid_input(exc).response()
 
 
+ENGINE_RETRY_AFTER_S = 5  # an engine or replica that failed a request: a failover or a rebuild takes seconds
+
+
 async def _on_engine(request: Request, exc: EngineError) -> JSONResponse:
-    return ApiError(503, f"the engine is unavailable: {exc}", type="server_error", code="engine_unavailable").response()
+    return ApiError(503, f"the engine is unavailable: {exc}", type="server_error", code="engine_unavailable",
+                    headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)}).response()
 
 
 async def _on_store(request: Request, exc: StoreUnavailableError) -> JSONResponse:

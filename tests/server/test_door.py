@@ -270,3 +270,10 @@ def test_every_route_with_fields_is_covered(door):
     routes = {r.path for r in door.app.routes if isinstance(r, APIRoute) and not r.path.startswith("/ui")}
     docs = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
     assert routes - covered - NO_FIELDS - docs == set(), "a route whose fields test_door.py does not send"
+
+
+def test_a_chat_the_engine_cannot_serve_is_a_503_that_says_when_to_retry(door):
+    """engine_unavailable came without Retry-After, unlike the other documented 503s (issue 53)."""
+    r = door.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) > 0
