@@ -26,6 +26,10 @@ from kvmem.results import EncodeReport
 log = logging.getLogger(__name__)
 
 LEASE_POLL_S = 0.1  # how often a sync encode looks whether another encoder gave a fact's lease back
+# After a background batch of which nothing encoded (a full disk, a replica or store away: rarely
+# the facts themselves), the loop waits before the next, 5 s doubling to 60 s, so a fault of
+# seconds does not spend every fact's max_attempts at once and leave them failed after it.
+BACKOFF_S = (5.0, 60.0)
 
 
 def salt(purpose: str, user_id: str) -> str:
@@ -37,9 +41,11 @@ def salt(purpose: str, user_id: str) -> str:
 
 class Encoder:
     def __init__(self, engine, prompts, kv_store, fact_store, batch: int = 32, max_attempts: int = 3,
-                 on_encoded=None, verify_blobs: bool = True, leases=None, lease_wait_s: float = 300.0) -> None:
+                 on_encoded=None, verify_blobs: bool = True, leases=None, lease_wait_s: float = 300.0,
+                 backoff_s: tuple[float, float] = BACKOFF_S) -> None:
         """`leases`: default, open_leases on the fact store and the KV store's model fingerprint.
-        `lease_wait_s`: how long a sync encode waits for a fact another encoder holds."""
+        `lease_wait_s`: how long a sync encode waits for a fact another encoder holds.
+        `backoff_s`: the background loop's first and longest wait after a batch that failed whole."""
         self.engine = engine
         self.verify_blobs = verify_blobs  # read each new blob whole (checksum), or only its header / stamp
         self.on_encoded = on_encoded  # called with each record whose blob was written and recorded
@@ -50,6 +56,7 @@ class Encoder:
         self.max_attempts = max_attempts
         self.leases = leases or open_leases(fact_store, kv_store.fingerprint if kv_store is not None else "")
         self.lease_wait_s = lease_wait_s
+        self.backoff_s = backoff_s
         self.sent = 0  # facts sent to the engine to encode, since this Encoder was made (/metrics)
         self._sent_lock = threading.Lock()
         self._wake = threading.Event()
@@ -199,17 +206,32 @@ class Encoder:
         return records
 
     def _loop(self) -> None:
+        failures = 0  # batches in a row of which nothing encoded
         while not self._stop.is_set():
-            self._wake.wait(timeout=5.0)
+            if failures:  # a fault is likely still there: new writes do not cut this wait short
+                wait = min(self.backoff_s[0] * 2 ** (failures - 1), self.backoff_s[1])
+                log.warning("background encoding: a batch failed whole; next try in %.0f s", wait)
+                self._stop.wait(wait)
+            else:
+                self._wake.wait(timeout=5.0)
             self._wake.clear()
-            while not self._stop.is_set():
-                try:
-                    due = self._claim(self.batch)
-                    if not due:
-                        break
-                    self._encode_leased(due)
-                except Exception:  # noqa: BLE001 - keep the thread alive; facts stay pending
-                    log.exception("background encoding failed")
-                    break
+            failures = self._drain(failures)
             if not self._wake.is_set():
                 self._idle.set()
+
+    def _drain(self, failures: int) -> int:
+        """Encode due facts batch by batch until none is left or a batch fails whole; -> the
+        failure streak (0 once anything encoded)."""
+        while not self._stop.is_set():
+            try:
+                due = self._claim(self.batch)
+                if not due:
+                    return 0
+                done = self._encode_leased(due)
+            except Exception:  # noqa: BLE001 - keep the thread alive; facts stay pending
+                log.exception("background encoding failed")
+                return failures + 1
+            if not any(done.values()):
+                return failures + 1
+            failures = 0
+        return failures

@@ -100,3 +100,43 @@ def test_one_process_on_sqlite_encodes_a_write_burst_once(mem, tmp_path):
     finally:
         encoder.stop()
         store.close()
+
+
+class _EngineAway:
+    """The session's real engine behind a fault: every encode fails until `until` (monotonic),
+    as while a replica is away or the KV folder is full."""
+
+    def __init__(self, engine, until: float) -> None:
+        self.engine, self.until, self.calls = engine, until, 0
+
+    def encode(self, requests) -> None:
+        import time
+
+        from kvmem.errors import EngineError
+
+        self.calls += 1
+        if time.monotonic() < self.until:
+            raise EngineError("injected: the engine is away")
+        self.engine.encode(requests)
+
+
+def test_a_fault_of_seconds_does_not_spend_every_attempt_at_once(mem, tmp_path):
+    """The background loop tried a failed batch again at once, so a fault of a few seconds spent
+    a fact's three attempts within it and left the fact failed after (issue 53's disk-full row).
+    Now it waits after a batch that failed whole (1 s, then 2 s here): the third try is past it."""
+    import time
+
+    store = FactStore(tmp_path / "facts.sqlite")
+    ids = [r.id for r, _ in store.add_many([{"scope": Scope("away"), "text": f"Away fact {i}."} for i in range(3)])]
+    engine = _EngineAway(mem.engine, until=time.monotonic() + 2.0)
+    encoder = Encoder(engine, mem.prompts, mem.kv, store, max_attempts=3, backoff_s=(1.0, 4.0))
+    try:
+        encoder.start()
+        deadline = time.monotonic() + 60
+        while {store.get(f).kv_status for f in ids} != {"encoded"}:
+            assert time.monotonic() < deadline, [(store.get(f).kv_status, store.get(f).kv_attempts) for f in ids]
+            time.sleep(0.1)
+        assert engine.calls >= 2  # it did fail first, and came back
+    finally:
+        encoder.stop()
+        store.close()

@@ -31,8 +31,13 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     data_options(t, "ttft", synthetic=True)
     t.set_defaults(func=cmd_ttft)
     ld = bench.add_parser("load", help="throughput with concurrent users, k facts each")
-    ld.add_argument("--users", type=_ints, default=(1, 4, 16, 32), help="comma-separated concurrency levels")
+    ld.add_argument("--users", type=_ints, default=(1, 4, 16, 32, 64), help="comma-separated concurrency levels")
     ld.add_argument("-k", type=int, default=50)
+    ld.add_argument("--fact-zipf", type=float, default=0.0,
+                    help="draw each chat's k facts by Zipf popularity with this exponent (default: 0, uniformly); "
+                         "the RAM tier's hit rate shows")
+    ld.add_argument("--pool", type=int, default=None,
+                    help="facts per user to draw from (default: k + 20 uniformly, 4k with --fact-zipf)")
     ld.add_argument("--requests", type=int, default=4, help="requests per user per level and mode (default: 4)")
     ld.add_argument("--max-tokens", type=int, default=16)
     data_options(ld, "load", synthetic=True)
@@ -237,7 +242,7 @@ def cmd_load(args, config) -> int:
     data, out = bench_data(args, "load")
     with _open(config) as mem:
         result = load.run(mem, data=data, levels=args.users, k=args.k, requests=args.requests,
-                          max_tokens=args.max_tokens, seed=args.seed)
+                          max_tokens=args.max_tokens, seed=args.seed, fact_zipf=args.fact_zipf, pool=args.pool)
     print(load.report(result, out))
     return 0
 

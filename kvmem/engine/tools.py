@@ -198,6 +198,9 @@ def check_tool_turns(messages: list[dict]) -> None:
     """Assistant tool calls well formed, and each tool message answering a call made before it."""
     open_calls: set[str] = set()
     for i, m in enumerate(messages):
+        if m.get("tool_calls") and m.get("role") != "assistant":  # the chat template would render them
+            raise InvalidInputError(f"message {i}: only assistant messages carry tool_calls, not "
+                                    f"{m.get('role')!r} ones", param=_MSG)
         if m.get("role") == "assistant" and m.get("tool_calls"):
             open_calls |= {_check_call(c, i, j) for j, c in enumerate(m["tool_calls"])}
         elif m.get("role") == "tool":

@@ -229,3 +229,20 @@ def test_ttft_bench_profile_prints_where_kv_modes_time_goes(mem, tmp_path, locom
             assert all(ms[stage] > 0 for stage in ("plan", "meta", "blob_reads", "staging", "scatter")), ms
     assert result["rows"][1]["profile"]["client_ms"]["retrieval"] > 0
     assert "Where KV mode's time goes" in text and "| blob_reads |" not in text.split("Where")[0]
+
+
+def test_load_bench_draws_hot_facts_by_zipf_and_reports_the_ram_tiers_hit_rate(mem, tmp_path, locomo_path):
+    import random
+    from collections import Counter
+
+    ids = [f"f{i}" for i in range(40)]
+    rng = random.Random(0)
+    draws = [load.pick(rng, ids, 5, 1.2) for _ in range(400)]
+    assert all(len(set(d)) == 5 and set(d) <= set(ids) for d in draws)
+    seen = Counter(f for d in draws for f in d)
+    assert seen["f0"] > 3 * seen.get("f39", 0) and seen["f0"] > seen["f10"]  # the pool's head is hot
+    assert sorted(load.pick(random.Random(1), ids, 40, 0.0)) == sorted(ids)  # uniform: a permutation
+    result = load.run(mem, data=locomo_path, levels=(2,), k=3, requests=2, max_tokens=2, fact_zipf=1.0)
+    (row,) = result["rows"]
+    assert result["pool"] == 12 and 0 <= row["kv"]["ram_hit_rate"] <= 1
+    assert "RAM-tier hit rate" in load.report(result, tmp_path / "load")

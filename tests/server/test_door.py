@@ -277,3 +277,11 @@ def test_a_chat_the_engine_cannot_serve_is_a_503_that_says_when_to_retry(door):
     r = door.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     assert r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) > 0
+
+
+def test_tool_calls_on_a_user_message_are_a_400_not_a_500(door):
+    """Found by the schema fuzzer (tests/server/test_fuzz.py): a user message with tool_calls [{}]
+    passed the checks, which read tool calls of assistant messages only, and the chat template
+    then failed on it (KeyError 'function': a 500 once an engine serves)."""
+    body = {**CHAT, "messages": [{"role": "user", "content": None, "tool_calls": [{}]}]}
+    _refused(door.post("/v1/chat/completions", json=body), "messages")
