@@ -13,9 +13,10 @@ tests/faults/proxy.py's TcpProxy delays every chunk both ways; a slow replica's 
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
+
+from tests.faults.proxy import _reset  # close with RST: the peer sees a reset at once
 
 MODES = ("forward", "hang", "hold")
 
@@ -91,10 +92,3 @@ class ReplicaProxy:
         for sock in (src, dst):
             sock.close()
 
-
-def _reset(sock: socket.socket) -> None:
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    sock.close()
