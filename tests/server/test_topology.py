@@ -33,7 +33,9 @@ from kvmem.bench.servers import KvmemProcess
 START_S = 600  # cold CPU starts of vLLM: ~1 minute each here, more on a loaded CI machine
 KEYS = {"alpha": "sk-topology-alpha", "beta": "sk-topology-beta"}  # the keyed gateway's tenants
 ENV = {"KVMEM_READER_ADAPTER": "off",  # LoRA slows CPU decode steps; the adapter is tested elsewhere
-       "KVMEM_GPU_MEMORY_UTILIZATION": "0.05"}  # the suite shares this host's RAM: 1.2 GB of KV per replica
+       # The suite's own engines run beside these replicas (three at most) on 24 GiB: 1 GiB of KV
+       # each (VLLM_CPU_KVCACHE_SPACE, not the share: the CPU backend sizes its cache by it).
+       "KVMEM_CPU_KV_SPACE_GIB": "1", "KVMEM_GPU_MEMORY_UTILIZATION": "0.05"}
 
 
 def _start(name: str, home: Path, args: list[str], env: dict) -> KvmemProcess:
@@ -430,9 +432,11 @@ def test_replicas_join_drain_and_lapse_without_restarting_a_gateway(topology, me
             assert drain.returncode == 0, drain.stderr
             _until(lambda: newcomer.url not in _routed(gateway), timeout=10, what="the drained replica leaving the set")
             assert long.result().status_code == 200
+        time.sleep(2.5)  # /metrics reads a status cached for 2 s (STORE_TTL_S): it counts the long chat first
         before = _answered(gateway, newcomer)
         with _client(gateway) as c:
             assert _chat(c, user, "What is my boat called?").status_code == 200
+        time.sleep(2.5)
         assert _answered(gateway, newcomer) == before
 
         # Back (as if restarted), then killed without leaving: out within its lease.
