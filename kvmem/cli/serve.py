@@ -14,6 +14,7 @@ import sys
 from kvmem.argtypes import positive_int
 from kvmem.config import Config, ConfigError
 from kvmem.config_overlay import add_engine_options
+from kvmem.facts import is_postgres
 
 
 def cmd_replica(args: argparse.Namespace, config: Config) -> int:
@@ -33,11 +34,11 @@ def cmd_replica(args: argparse.Namespace, config: Config) -> int:
     if args.print:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
-    if (config.database_url or "").startswith(("postgresql://", "postgres://")):
+    if is_postgres(config.database_url):
+        import socket
+
         from kvmem.engine.membership import Registry
         from kvmem.engine.replica_lease import supervise
-
-        import socket
 
         anywhere = args.host in ("0.0.0.0", "::")
         local = f"http://{'127.0.0.1' if anywhere else args.host}:{args.port}"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import psycopg
 
 from kvmem.errors import InvalidInputError, KvmemError
+from kvmem.facts import is_postgres
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Registry:
     every few seconds per replica, a read every few seconds per gateway)."""
 
     def __init__(self, database_url: str) -> None:
-        if not database_url.startswith(("postgresql://", "postgres://")):
+        if not is_postgres(database_url):
             raise InvalidInputError("replica membership needs a PostgreSQL URL (postgresql://...)",
                                     param="database_url")
         self.url = database_url

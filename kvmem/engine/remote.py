@@ -127,17 +127,13 @@ class RemoteEngine:
         keep their replica (a drained one finishes them)."""
         urls = _normalized(urls)
         for url in (u for u in list(urls) if u not in self.urls):
-            try:
-                served = served_models(self._http, url)
-            except (httpx.HTTPError, KeyError, ValueError) as e:
-                log.warning("new replica %s does not answer yet (%s): passed over until it does", url, e)
+            served, error = self._ask(url)
+            if error is not None:
+                log.warning("new replica %s does not answer yet (%s): passed over until it does", url, error)
                 self.replicas.mark_down(url)
-                continue
-            if self.name not in served:
+            elif self.name not in served:
                 log.error("replica %s registered for our weights but serves %s: left out", url, served)
                 urls.remove(url)
-            elif self._use_reader and reader_name(self.model) in served:
-                self.reader_adapter = reader_name(self.model)
         # One assignment each: routing and probing threads read whole lists, never a list being changed.
         self.urls = urls
         self.replicas.urls = urls
@@ -152,22 +148,29 @@ class RemoteEngine:
         -> those that did not answer."""
         errors, down = [], []
         for url in self.urls:
-            try:
-                served = served_models(self._http, url)
-            except (httpx.HTTPError, KeyError, ValueError) as e:
-                errors.append(f"{url}: {e}")
+            served, error = self._ask(url)
+            if error is not None:
+                errors.append(f"{url}: {error}")
                 down.append(url)
-                continue
-            if self.name not in served:
+            elif self.name not in served:
                 raise EngineError(f"the replica at {url} serves {served}, not {self.name}: it runs other weights "
                                   f"(or was not started with `kvmem replica`), whose KV would not fit ours")
-            if self._use_reader and reader_name(self.model) in served:
-                self.reader_adapter = reader_name(self.model)
         if len(errors) == len(self.urls):
             raise EngineError(f"no kvmem replica answers: {'; '.join(errors)}")
         for error in errors:
             log.warning("replica down at start: %s", error)
         return down
+
+    def _ask(self, url: str) -> tuple[list[str], Exception | None]:
+        """The model ids the replica at `url` serves, noting its reader adapter where it serves
+        ours; ([], the error) when it does not answer."""
+        try:
+            served = served_models(self._http, url)
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            return [], e
+        if self.name in served and self._use_reader and reader_name(self.model) in served:
+            self.reader_adapter = reader_name(self.model)
+        return served, None
 
     def route(self, key: str) -> list[str]:
         """Replicas to try for this user, best first; those marked down go last."""

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from kvmem.config import Config, ConfigError
 from kvmem.config_overlay import add_common_options, add_engine_options
+from kvmem.facts import is_postgres
 from kvmem.server.settings import ServerSettings, SettingsError, load
 
 log = logging.getLogger("kvmem.server")
@@ -98,7 +99,7 @@ def settings_of(args: argparse.Namespace, env: Mapping[str, str], *,
     gateway without a replica to send to is refused."""
     settings, config = load(getattr(args, "config_file", None), env, vars(args))
     if gateway and not config.engine.url:
-        if not (config.database_url or "").startswith(("postgresql://", "postgres://")):
+        if not is_postgres(config.database_url):
             raise SettingsError("a gateway needs replicas: --replicas URL[,URL...] (KVMEM_ENGINE_URL), or "
                                 "--database-url postgresql://... where `kvmem replica --database-url` registers them")
         config = replace(config, engine=replace(config.engine, members=True))  # the replicas that register
