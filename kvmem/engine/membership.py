@@ -22,6 +22,7 @@ import psycopg
 
 from kvmem.errors import InvalidInputError, KvmemError
 from kvmem.facts import is_postgres
+from kvmem.facts.pg import LOCK_KEY
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ class Registry:
             raise InvalidInputError("replica membership needs a PostgreSQL URL (postgresql://...)",
                                     param="database_url")
         self.url = database_url
-        with self._conn() as conn:
+        with self._conn() as conn, conn.transaction():
+            # CREATE TABLE IF NOT EXISTS races itself (two replicas starting at once: one fails on
+            # pg_type's unique index), so creators take the facts writers' advisory lock first.
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
             conn.execute(SCHEMA)
 
     def _conn(self) -> psycopg.Connection:

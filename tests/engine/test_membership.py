@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import psycopg
 import pytest
 
 from kvmem.engine.membership import Registry, Watcher
@@ -68,3 +69,28 @@ def test_membership_needs_postgresql():
     with pytest.raises(InvalidInputError) as e:
         Registry("sqlite:///tmp/x.db")
     assert e.value.param == "database_url"
+
+
+def test_replicas_starting_at_once_on_a_fresh_database_all_create_the_registry(pg_url):
+    # CREATE TABLE IF NOT EXISTS is not safe against itself: two replicas of a clean-clone
+    # topology test started together and one died on pg_type's unique index.
+    import threading
+
+    for _ in range(3):
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute("DROP TABLE IF EXISTS kvmem_replicas")
+        start, errors = threading.Barrier(6), []
+
+        def open_registry():
+            start.wait()
+            try:
+                Registry(pg_url)
+            except Exception as e:  # noqa: BLE001 - the test reports whatever a starter hit
+                errors.append(e)
+
+        threads = [threading.Thread(target=open_registry) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
