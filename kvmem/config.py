@@ -51,11 +51,12 @@ class EngineConfig:
     members: read the replicas from the membership table in database_url (PostgreSQL), where
       `kvmem replica --database-url` registers each replica while it serves, instead of a static
       url list (which wins when also given); a gateway with no --replicas does this by itself.
+    routing: "rendezvous" (each user to the replica their id hashes to) or "residency" (a KV-mode
+      chat to where its facts' KV is in RAM unless that queue costs more; needs kv.shared_url).
     connect_timeout_s: with url, seconds to open a connection to a replica before trying the next.
     reply_timeout_s: with url, the longest a replica may stay silent on a request before it is
-      passed over and the request sent to the next (a non-streamed reply comes whole, after its
-      last token, so this bounds the longest generation). A replica that hangs is found sooner,
-      by the health probes, whatever this is (docs/deploy.md).
+      passed over for the next (a non-streamed reply comes whole after its last token: this bounds
+      the longest generation); a replica that hangs is found sooner by the probes (docs/deploy.md).
     dtype: the weights' dtype the model is converted to and served in.
     max_model_len: the longest prompt plus reply, in tokens.
     gpu_memory_utilization: the share of device memory vLLM reserves for weights and KV cache.
@@ -72,6 +73,7 @@ class EngineConfig:
 
     # vLLM arguments kvmem sets from its own settings and relies on (a pass-through copy would
     # make vLLM and kvmem disagree, e.g. on the dtype in the KV fingerprint): what to use instead.
+    ROUTINGS: ClassVar[tuple[str, ...]] = ("rendezvous", "residency")
     OWNED: ClassVar[dict[str, str]] = {
         "--model": "--model (engine.model)", "--dtype": "--dtype (engine.dtype)",
         "--max-model-len": "--max-model-len (engine.max_model_len)", "--block-size": "engine.block_size",
@@ -92,6 +94,7 @@ class EngineConfig:
     enforce_eager: bool | None = None
     url: str | None = None
     members: bool = False
+    routing: str = "rendezvous"
     connect_timeout_s: float = 5.0
     reply_timeout_s: float = 600.0
     vllm_args: tuple[str, ...] = ()
@@ -111,6 +114,8 @@ class EngineConfig:
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share <= 1:
             raise ValueError(f"engine.gpu_memory_utilization must be within (0, 1], got {share!r}")
+        if self.routing not in self.ROUTINGS:
+            raise ValueError(f"engine.routing must be one of {self.ROUTINGS}, got {self.routing!r}")
         for name in ("connect_timeout_s", "reply_timeout_s"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"engine.{name} must be a positive number of seconds, got {getattr(self, name)!r}")
@@ -407,6 +412,7 @@ ENV: dict[str, EnvVar] = {
     "engine.load_format": EnvVar("KVMEM_LOAD_FORMAT", str),
     "engine.enforce_eager": EnvVar("KVMEM_ENFORCE_EAGER", _tristate, blank_unset=True),
     "engine.url": EnvVar("KVMEM_ENGINE_URL", str, blank_unset=True),
+    "engine.routing": EnvVar("KVMEM_ENGINE_ROUTING", str),
     "engine.connect_timeout_s": EnvVar("KVMEM_ENGINE_CONNECT_TIMEOUT_S", float),
     "engine.reply_timeout_s": EnvVar("KVMEM_ENGINE_REPLY_TIMEOUT_S", float),
     "engine.vllm_args": EnvVar("KVMEM_VLLM_ARGS", str, blank_unset=True),  # one shell-quoted string

@@ -44,6 +44,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "models_home": ("models_home", "--models-home"),
     "model": ("engine.model", "--model"),
     "replicas": ("engine.url", "--replicas"),
+    "routing": ("engine.routing", "--routing"),
     "database_url": ("database_url", "--database-url"),
     "kv_shared_url": ("kv.shared_url", "--kv-shared-url"),
     "text_facts": ("kv.text_facts", "--text-facts"),

@@ -29,23 +29,30 @@ def cmd_replica(args: argparse.Namespace, config: Config) -> int:
     if args.drain:
         return _drain(args.drain, config)
     model = resolve_model(config.engine.model, config.models_dir, config.engine.dtype)
-    cmd = replica.command(config, model, host=args.host, port=args.port)
+    local, advertised = _urls(args)
+    cmd = replica.command(config, model, host=args.host, port=args.port, advertise_url=advertised)
     env = replica.environment(config)
     if args.print:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
     if is_postgres(config.database_url):
-        import socket
-
         from kvmem.engine.membership import Registry
         from kvmem.engine.replica_lease import supervise
 
-        anywhere = args.host in ("0.0.0.0", "::")
-        local = f"http://{'127.0.0.1' if anywhere else args.host}:{args.port}"
-        advertised = args.advertise_url or (f"http://{socket.getfqdn()}:{args.port}" if anywhere else local)
-        return supervise(cmd, {**os.environ, **env}, Registry(config.database_url), advertised.rstrip("/"),
+        return supervise(cmd, {**os.environ, **env}, Registry(config.database_url), advertised,
                          model.fingerprint, local_url=local, drain_s=args.drain_seconds)
     os.execve(cmd[0], cmd, {**os.environ, **env})  # the replica is vLLM's process from here on
+
+
+def _urls(args: argparse.Namespace) -> tuple[str, str]:
+    """(where this host reaches the replica, the URL it registers and publishes its RAM tier
+    under: --advertise-url, else the host's name when it listens everywhere)."""
+    import socket
+
+    anywhere = args.host in ("0.0.0.0", "::")
+    local = f"http://{'127.0.0.1' if anywhere else args.host}:{args.port}"
+    advertised = args.advertise_url or (f"http://{socket.getfqdn()}:{args.port}" if anywhere else local)
+    return local, advertised.rstrip("/")
 
 
 def _drain(url: str, config: Config) -> int:

@@ -37,6 +37,7 @@ from kvmem.connector.rope import KeyRotator, is_rotary
 from kvmem.connector.scheduler_side import SchedulerSide
 from kvmem.connector.support import leave_map_refusal, map_refused, refuse_unsupported
 from kvmem.connector.worker_side import WorkerSide, layer_index
+from kvmem.connector.residency import ResidencyPublisher
 from kvmem.kv.store import KVStore
 from kvmem.reader import kvmap
 
@@ -83,6 +84,7 @@ class KvmemConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._publisher: ResidencyPublisher | None = None
         self._tier_totals = KvmemStats()  # scheduler: every worker's reports, summed
         self._tier_totals.reset()
         self._settings = settings
@@ -92,6 +94,8 @@ class KvmemConnector(KVConnectorBase_V1):
                 and map_refused(settings.kv_dir, settings.fingerprint) is None
             recompute = map_refused(settings.kv_dir, settings.fingerprint, "recompute") is None
             self._scheduler = SchedulerSide(store, block_size, kv_map=mapping, recompute=recompute)
+            if settings.shared_url and settings.replica_url:  # one summary per replica: its scheduler's
+                self._publisher = ResidencyPublisher(store, settings.shared_url, settings.replica_url)
         else:
             store.worker_attached = True
             self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, settings)
@@ -202,9 +206,12 @@ class KvmemConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
-        """Worker and scheduler, at engine shutdown: write out every blob still queued."""
+        """Worker and scheduler, at engine shutdown: write out every blob still queued; withdraw
+        the residency summary."""
         if self._worker is not None:
             self._worker.close()
+        if self._publisher is not None:
+            self._publisher.close()
 
 
 def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,

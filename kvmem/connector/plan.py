@@ -152,11 +152,15 @@ class ConnectorSettings:
     # that ask for it, where the map fits the model; None: none.
     reader_adapter: str | None = None
     is_neox_style: bool = True  # only used when the model's own rotary embedding is not found
+    # The URL gateways route to this replica by: with shared_url, the replica publishes what its
+    # RAM tier holds under it (connector/residency.py) for residency routing. None: nothing published.
+    replica_url: str | None = None
 
     def to_params(self) -> dict[str, Any]:
         return {"kv_dir": self.kv_dir, "fingerprint": self.fingerprint, "codec": self.codec,
                 "hot_cache_mib": self.hot_cache_mib, "shared_url": self.shared_url,
-                "reader_adapter": self.reader_adapter, "is_neox_style": self.is_neox_style}
+                "reader_adapter": self.reader_adapter, "is_neox_style": self.is_neox_style,
+                "replica_url": self.replica_url}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> "ConnectorSettings":

@@ -39,11 +39,15 @@ def served_models(http: httpx.Client, url: str) -> list[str]:
 
 
 class Health:
-    def __init__(self, urls: list[str], serves: Callable[[list[str]], bool], probe_s: float | None = PROBE_S) -> None:
+    def __init__(self, urls: list[str], serves: Callable[[list[str]], bool], probe_s: float | None = PROBE_S,
+                 scrape: Callable[[httpx.Client, str], None] | None = None) -> None:
         """serves(model ids) -> whether a replica listing those ids serves our weights.
-        probe_s: None starts no probe thread (requests alone then mark replicas down)."""
+        probe_s: None starts no probe thread (requests alone then mark replicas down).
+        scrape(http, url): called after each probe that found `url` healthy (its errors are
+        logged, never counted against the replica)."""
         self.urls = urls
         self._serves = serves
+        self._scrape = scrape
         self._down: dict[str, float] = {}  # url -> until when it is passed over
         self._unanswered: dict[str, int] = {}  # url -> probes in a row that got no answer at all
         self._lock = threading.Lock()
@@ -98,6 +102,11 @@ class Health:
                 self.mark_down(url, for_s=float("inf"))  # until a probe finds it healthy again
             if was_down != (not result[url]):
                 log.warning("replica %s is %s", url, "up" if result[url] else "down (probe)")
+            if result[url] and self._scrape is not None:
+                try:
+                    self._scrape(http, url)
+                except (httpx.HTTPError, ValueError, IndexError) as e:
+                    log.debug("replica %s: scrape failed (%s)", url, e)
         return result
 
     def _loop(self, probe_s: float) -> None:

@@ -12,7 +12,9 @@ The replicas are a fixed list, or the live members of the membership table in Po
 (membership.py: replicas register themselves, gateways follow the table, `set_replicas`).
 With several replicas, each user's requests go to one of them, chosen by rendezvous hashing of
 the user id (so that replica's prefix cache and RAM tier stay warm for them, and adding or
-losing a replica moves only the users it had). A replica that refuses connections or answers
+losing a replica moves only the users it had); with residency routing (`residency`, a
+ResidencyView: engine/residency.py) a KV-mode chat goes where most of its facts' KV already is
+in RAM, unless that replica's queue costs more than the pulls it saves. A replica that refuses connections or answers
 502/503 is passed over for a while and the request goes to the user's next choice; a probe of
 every replica every few seconds marks replicas down and up between requests (health.py). With
 none left the request fails with EngineError (HTTP 503 at the server).
@@ -35,27 +37,27 @@ serves it (`kvmem replica` loads the one found for the model) and `use_reader` a
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import httpx
 
 from kvmem.engine import watched
+from kvmem.engine.completions import Streamed, cached_tokens, completion, token_id
 from kvmem.engine.membership import Registry, Watcher
+from kvmem.engine.residency import ResidencyView
 from kvmem.engine.health import PROBE_S, Health, served_models
-from kvmem.connector.plan import ENCODE, InjectionReport
-from kvmem.engine.protocol import BLOB_WAIT_S, ChoiceDelta, Completion, EngineRequest, EngineResult, EngineStatus
+from kvmem.connector.plan import ENCODE, INJECT, InjectionReport
+from kvmem.engine.protocol import BLOB_WAIT_S, ChoiceDelta, EngineRequest, EngineResult, EngineStatus
 from kvmem.engine.replica import reader_name, served_name
 from kvmem.errors import EngineError, InvalidInputError, RequestCancelled
 from kvmem.kv.store import KVStore
 from kvmem.model import ModelInfo
-from kvmem.results import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +92,14 @@ def rendezvous(key: str, urls: list[str]) -> list[str]:
 class RemoteEngine:
     def __init__(self, urls: str | list[str], model: ModelInfo, blobs: KVStore, *, use_reader: bool = True,
                  timeouts: Timeouts = Timeouts(), workers: int = 32, probe_s: float | None = PROBE_S,
-                 members: Registry | None = None) -> None:
+                 members: Registry | None = None, residency: ResidencyView | None = None) -> None:
         """urls: one replica's base URL, several in a list or comma-separated. blobs: the store the
         replicas write to, as this process sees it (only stamps are read: encodes wait for them).
         use_reader: False (reader_adapter "off") keeps KV-mode chats on the plain model even where
         a replica has one. probe_s: seconds between health probes of the replicas (None: none).
         members: the membership table (membership.py) to follow instead of a fixed `urls` list:
-        replicas that register serve our weights are routed to, those that drain or lapse no more."""
+        replicas that register serve our weights are routed to, those that drain or lapse no more.
+        residency: route KV-mode chats by where their facts' KV is resident (None: rendezvous)."""
         self.urls = _normalized(urls)
         if not self.urls and members is None:
             raise EngineError("no replica URL given")
@@ -111,10 +114,13 @@ class RemoteEngine:
         self.answered: Counter[tuple[str, bool]] = Counter()
         self._http = httpx.Client(timeout=timeouts.httpx(), transport=watched.transport(self._silent))
         self._blobs = blobs
+        self.residency = residency
+        self._fact_bytes_per_token = model.kv_bytes_per_token() if residency is not None else 0
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvmem-remote")
         down = self._check_models() if members is None else []
         # Probed from now on, the weights being checked; those down at start are passed over.
-        self.replicas = Health(self.urls, lambda ids: self.name in ids, probe_s=probe_s)
+        self.replicas = Health(self.urls, lambda ids: self.name in ids, probe_s=probe_s,
+                               scrape=self._scrape_queue if residency is not None else None)
         for url in down:
             self.replicas.mark_down(url)
         # With a membership table the live set arrives now (Watcher calls set_replicas at once) and on every change.
@@ -134,6 +140,9 @@ class RemoteEngine:
             elif self.name not in served:
                 log.error("replica %s registered for our weights but serves %s: left out", url, served)
                 urls.remove(url)
+        if self.residency is not None:
+            for gone in set(self.urls) - set(urls):
+                self.residency.forget(gone)
         # One assignment each: routing and probing threads read whole lists, never a list being changed.
         self.urls = urls
         self.replicas.urls = urls
@@ -172,9 +181,32 @@ class RemoteEngine:
             self.reader_adapter = reader_name(self.model)
         return served, None
 
-    def route(self, key: str) -> list[str]:
-        """Replicas to try for this user, best first; those marked down go last."""
-        return self.replicas.order(rendezvous(key, self.urls))
+    def route(self, key: str, facts: dict[str, int] | None = None) -> list[str]:
+        """Replicas to try for this user, best first; those marked down go last. `facts` (fact id
+        -> blob bytes, a KV-mode chat's) reorder the live ones by residency where it is on."""
+        order = self.replicas.order(rendezvous(key, self.urls))
+        if self.residency is None or not facts:
+            return order
+        live = [u for u in order if not self.replicas.is_down(u)]
+        return self.residency.order(live, facts) + order[len(live):]
+
+    def _facts(self, request: EngineRequest) -> dict[str, int] | None:
+        """The blob bytes an injecting request needs, per fact (None: it injects nothing)."""
+        if self.residency is None or request.plan is None or request.plan.op != INJECT:
+            return None
+        return {s.fact_id: s.length * self._fact_bytes_per_token for s in request.plan.segments}
+
+    def _scrape_queue(self, http: httpx.Client, url: str) -> None:
+        """The health probe, per healthy replica: its running + waiting requests (vLLM's gauges)."""
+        text = http.get(f"{url}/metrics").text
+        queued = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+        self.residency.queued(url, int(queued))
+
+    def _busy(self, url: str, delta: int) -> None:
+        """This gateway's requests in flight at `url` (residency routing weighs them as load)."""
+        if self.residency is not None:
+            (self.residency.sent if delta > 0 else self.residency.done)(url)
 
     def _send(self, request: EngineRequest, body: dict, stream: bool = False,
               tried: list[str] | None = None) -> tuple[str, httpx.Response]:
@@ -182,9 +214,10 @@ class RemoteEngine:
         replicas that already failed this request (skipped; those that fail here are added)."""
         tried = [] if tried is None else tried
         errors = []
-        for i, url in enumerate(self.route(request.route)):
+        for i, url in enumerate(self.route(request.route, self._facts(request))):
             if url in tried:
                 continue
+            self._busy(url, +1)
             try:
                 if stream:
                     response = self._http.send(self._http.build_request("POST", f"{url}/v1/completions", json=body),
@@ -192,8 +225,11 @@ class RemoteEngine:
                 else:
                     response = self._http.post(f"{url}/v1/completions", json=body)
             except httpx.TransportError as e:  # refused, dropped, timed out or silent: nothing reached the caller
+                self._busy(url, -1)
                 errors.append(f"{url}: {e!r}")
             else:
+                if not stream or response.status_code in _RETRY_STATUS:
+                    self._busy(url, -1)  # an accepted stream is busy until stream() closes it
                 if response.status_code not in _RETRY_STATUS:
                     self.failovers += i > 0
                     self.answered[url, url == rendezvous(request.route, self.urls)[0]] += 1
@@ -250,7 +286,7 @@ class RemoteEngine:
         tried: list[str] = []
         while True:
             url, response = self._send(request, body, stream=True, tried=tried)
-            got = _Streamed()
+            got = Streamed()
             try:
                 _raise_for(response, request, read=True)
                 for index, text in got.deltas(response, cancel):
@@ -264,10 +300,11 @@ class RemoteEngine:
                 raise EngineError(f"the replica failed while streaming: {e!r}") from e
             finally:
                 response.close()
+                self._busy(url, -1)
         done = time.perf_counter()
         choices = got.completions(request.logprobs)
         yield EngineResult(choices[0].token_ids, choices[0].text, (got.first or done) - start, done - start,
-                           got.usage.get("prompt_tokens", len(request.token_ids)), _cached(got.usage),
+                           got.usage.get("prompt_tokens", len(request.token_ids)), cached_tokens(got.usage),
                            adapter=bool(request.reader and self.reader_adapter), choices=choices)
 
     def _complete(self, request: EngineRequest) -> EngineResult:
@@ -278,7 +315,7 @@ class RemoteEngine:
         _raise_for(response, request)
         done = time.perf_counter()
         body = response.json()
-        choices = tuple(_completion(c, request.logprobs) for c in sorted(body["choices"], key=lambda c: c["index"]))
+        choices = tuple(completion(c, request.logprobs) for c in sorted(body["choices"], key=lambda c: c["index"]))
         top = ((body["choices"][0].get("logprobs") or {}).get("top_logprobs") or [None])[0] or {}
         usage = body.get("usage") or {}
         injection = InjectionReport.from_params(body.get("kv_transfer_params"))
@@ -286,8 +323,8 @@ class RemoteEngine:
         return EngineResult(
             token_ids=choices[0].token_ids, text=choices[0].text, ttft_s=done - start,
             latency_s=done - start, prompt_tokens=usage.get("prompt_tokens", len(request.token_ids)),
-            cached_tokens=_cached(usage), injection=injection,
-            first_logprobs={_id(t): lp for t, lp in top.items()} if request.logprobs else {},
+            cached_tokens=cached_tokens(usage), injection=injection,
+            first_logprobs={token_id(t): lp for t, lp in top.items()} if request.logprobs else {},
             adapter=bool(request.reader and self.reader_adapter) or bool(injection and injection.kv_map),
             choices=choices,
         )
@@ -324,68 +361,10 @@ class RemoteEngine:
         if self._watcher is not None:
             self._watcher.close()
         self.replicas.close()
+        if self.residency is not None:
+            self.residency.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
-
-
-@dataclass
-class _Streamed:
-    """What a streamed completion has sent so far, per completion index."""
-
-    text: dict[int, list[str]] = field(default_factory=dict)
-    chunks: dict[int, list[dict]] = field(default_factory=dict)  # each choice's chunks, for ids and logprobs
-    finish: dict[int, str] = field(default_factory=dict)
-    usage: dict = field(default_factory=dict)
-    first: float | None = None  # when the first token arrived
-
-    def deltas(self, response: httpx.Response, cancel: threading.Event | None) -> Iterator[tuple[int, str]]:
-        for line in response.iter_lines():
-            if cancel is not None and cancel.is_set():
-                raise RequestCancelled("the stream was cancelled before it finished")
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            self.usage = chunk.get("usage") or self.usage
-            for choice in chunk.get("choices", []):
-                self.first = self.first or time.perf_counter()
-                index = choice.get("index", 0)
-                self.chunks.setdefault(index, []).append(choice)
-                if choice.get("finish_reason"):
-                    self.finish[index] = choice["finish_reason"]
-                if choice.get("text"):
-                    self.text.setdefault(index, []).append(choice["text"])
-                    yield index, choice["text"]
-
-    def completions(self, top_n: int | None) -> tuple[Completion, ...]:
-        indexes = sorted(set(self.chunks) | {0})
-        return tuple(_completion(_merged(i, self.chunks.get(i, []), "".join(self.text.get(i, [])),
-                                         self.finish.get(i)), top_n) for i in indexes)
-
-
-def _merged(index: int, chunks: list[dict], text: str, finish: str | None) -> dict:
-    """A streamed choice's chunks as one completions choice."""
-    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
-    for c in chunks:
-        for key in logprobs:
-            logprobs[key] += (c.get("logprobs") or {}).get(key) or []
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
-
-
-def _completion(choice: dict, top_n: int | None) -> Completion:
-    """A completions-API choice -> ours (tokens come as "token_id:<n>": --return-tokens-as-token-ids)."""
-    ids = tuple(_token_ids(choice))
-    logprobs = None
-    if top_n is not None:
-        raw = choice.get("logprobs") or {}
-        steps = zip(ids, raw.get("token_logprobs") or [], raw.get("top_logprobs") or [])
-        logprobs = tuple(TokenLogprob(t, lp, _top(top or {}, top_n)) for t, lp, top in steps)
-    reason = choice.get("finish_reason")
-    return Completion(choice.get("index", 0), choice.get("text", ""), ids, reason if reason in ("stop", "length")
-                      else "stop", logprobs)
-
-
-def _top(top: dict, n: int) -> tuple[tuple[int, float], ...]:
-    return tuple(sorted(((_id(t), lp) for t, lp in top.items()), key=lambda e: -e[1]))[:n]
 
 
 def _origin(url: str) -> tuple[str, int]:
@@ -400,16 +379,3 @@ def _raise_for(response: httpx.Response, request: EngineRequest, read: bool = Fa
         if response.status_code == 400 and request.sampling.structured:  # a schema it cannot compile
             raise InvalidInputError(f"the JSON schema cannot be used: {response.text[:500]}", param=request.sampling.schema_from)
         raise EngineError(f"replica answered {response.status_code}: {response.text[:500]}")
-
-
-def _token_ids(choice: dict) -> list[int]:
-    """Sampled token ids: the replica returns tokens as "token_id:<n>" (--return-tokens-as-token-ids)."""
-    return [_id(t) for t in (choice.get("logprobs") or {}).get("tokens") or []]
-
-
-def _id(token: str) -> int:
-    return int(token.removeprefix("token_id:"))
-
-
-def _cached(usage: dict) -> int:
-    return ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0

@@ -27,9 +27,11 @@ CONNECTOR = "KvmemConnector"
 CONNECTOR_MODULE = "kvmem.connector.connector"
 
 
-def transfer_config(config: Config, model: ModelInfo, adapter: Path | None = None) -> dict:
+def transfer_config(config: Config, model: ModelInfo, adapter: Path | None = None,
+                    replica_url: str | None = None) -> dict:
     """vLLM's KVTransferConfig fields for kvmem's connector (kv_both: it loads and saves).
-    `adapter`: the reader adapter served, whose KV map (if it has one) the connector applies."""
+    `adapter`: the reader adapter served, whose KV map (if it has one) the connector applies.
+    `replica_url`: the URL gateways reach this replica by, under which it publishes its RAM tier."""
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -38,7 +40,7 @@ def transfer_config(config: Config, model: ModelInfo, adapter: Path | None = Non
         "kv_connector_extra_config": ConnectorSettings(
             kv_dir=str(config.kv_dir), fingerprint=model.fingerprint, codec=config.kv.codec,
             hot_cache_mib=config.kv.hot_cache_mib, shared_url=config.kv.shared_url,
-            reader_adapter=str(adapter) if adapter is not None else None,
+            reader_adapter=str(adapter) if adapter is not None else None, replica_url=replica_url,
         ).to_params(),
     }
 
@@ -55,7 +57,7 @@ def reader_name(model: ModelInfo) -> str:
 
 
 def command(config: Config, model: ModelInfo, *, host: str = "127.0.0.1", port: int = 8000,
-            python: str = sys.executable) -> list[str]:
+            python: str = sys.executable, advertise_url: str | None = None) -> list[str]:
     """The replica's command line: vLLM's own API server, kvmem's connector, kvmem's cache layout.
 
     Prefix caching stays on (it is what keeps a user's facts hot between turns); prompt token
@@ -70,7 +72,7 @@ def command(config: Config, model: ModelInfo, *, host: str = "127.0.0.1", port: 
            "--host", host, "--port", str(port), "--dtype", model.dtype,
            "--block-size", str(ec.block_size), "--max-model-len", str(ec.max_model_len),
            "--max-num-seqs", str(ec.max_num_seqs), "--seed", str(ec.seed), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--return-tokens-as-token-ids", "--kv-transfer-config", json.dumps(transfer_config(config, model, adapter))]
+           "--return-tokens-as-token-ids", "--kv-transfer-config", json.dumps(transfer_config(config, model, adapter, advertise_url))]
     if ec.load_format != "auto":
         cmd += ["--load-format", ec.load_format]
     if adapter is not None and has_lora(adapter):

@@ -147,6 +147,10 @@ class ResidencyIndex:
                     ram[replica] = ram.get(replica, 0) + nbytes
         return {replica: Resident(ram.get(replica, 0), disk.get(replica, 0)) for replica in ram.keys() | disk.keys()}
 
+    def assumed(self, fact: str, now: float) -> set[str]:
+        """The replicas assumed (speculatively) to hold `fact` now."""
+        return set(self._guessed(fact, now))
+
     def _guessed(self, fact: str, now: float) -> dict[str, float]:
         """The replicas still assumed to hold `fact`, dropping the expired."""
         guesses = self._guess.get(fact)

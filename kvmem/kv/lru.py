@@ -42,6 +42,11 @@ class ByteLRU(Generic[V]):
         self.bytes -= hit[1]
         return hit[0]
 
+    def size(self, key: str) -> int:
+        """The key's bytes (0 when absent)."""
+        hit = self._entries.get(key)
+        return 0 if hit is None else hit[1]
+
     def __len__(self) -> int:
         return len(self._entries)
 

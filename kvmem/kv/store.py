@@ -337,6 +337,11 @@ class KVStore:
         if gone:
             log.info("shared KV tier %s: dropped %d local blobs deleted there", self._tier.url, len(gone))
 
+    def resident(self) -> dict[str, int]:
+        """fact id -> bytes of each blob the RAM tier holds now (what a replica publishes)."""
+        with self._lock:
+            return {fact_id: self._hot.size(fact_id) for fact_id in self._hot.keys()}
+
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("*.safetensors")) if self.dir.is_dir() else 0
 

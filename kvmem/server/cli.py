@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser, *, gateway: bool) -> None:
     if gateway:
         p.add_argument("--replicas", help="comma-separated base URLs of `kvmem replica` processes (KVMEM_ENGINE_URL); "
                                           "without it, the replicas registered in --database-url's PostgreSQL")
+        p.add_argument("--routing", choices=("rendezvous", "residency"),
+                       help="which replica a KV-mode chat goes to: the user's by hashing (rendezvous, the "
+                            "default) or where its facts' KV is in RAM (residency; needs --kv-shared-url) "
+                            "(KVMEM_ENGINE_ROUTING)")
         p.add_argument("--database-url", help="PostgreSQL URL for facts, history and vectors (KVMEM_DATABASE_URL); "
                                               "without it, SQLite in --home (one gateway only)")
         p.add_argument("--kv-shared-url", help="Redis URL of the shared KV tier (KVMEM_KV_SHARED_URL); without it, "
