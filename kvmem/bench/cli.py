@@ -65,6 +65,17 @@ def add_parsers(sub) -> argparse._SubParsersAction:
                                                               "fresh temporary folder)")
     data_options(g, "gateway")
     g.set_defaults(func=cmd_gateway)
+    ro = bench.add_parser("routing", help="rendezvous vs residency routing on two real replicas, every user's "
+                                          "KV warm on replica 1 (as after replica 2 joined)")
+    ro.add_argument("--users", type=int, default=12, help="users, half per routing (default: 12)")
+    ro.add_argument("--facts-per-user", type=int, default=8)
+    ro.add_argument("-k", type=int, default=5, help="facts per chat (default: 5)")
+    ro.add_argument("--rounds", type=int, default=4, help="questions per user, in each phase (default: 4)")
+    ro.add_argument("--max-tokens", type=int, default=16)
+    ro.add_argument("--workdir", type=Path, default=None, help="where the processes keep their data (default: a "
+                                                               "fresh temporary folder)")
+    data_options(ro, "routing", synthetic=True)
+    ro.set_defaults(func=cmd_routing)
     cl = bench.add_parser("cluster", help="simulated replicas routed by the real router: rendezvous vs residency, "
                                           "TTFT and resident-hit rate at several sizes, with replicas dying")
     # dest "sizes": a "replicas" dest would be read as the gateway's --replicas (engine.url) by the config overlay
@@ -257,6 +268,20 @@ def cmd_gateway(args, config) -> int:
                          facts_per_user=args.facts_per_user, k=args.k, rounds=args.rounds,
                          sequential=args.sequential, max_tokens=args.max_tokens, seed=args.seed)
     print(gateway.report(result, (args.out or RESULTS) / "gateway"))
+    return 0
+
+
+def cmd_routing(args, config) -> int:
+    import tempfile
+
+    from kvmem.bench import routing
+
+    data, out = bench_data(args, "routing")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvmem-bench-routing-"))
+    result = routing.run(data=data, workdir=workdir, models_home=config.models_dir, users=args.users,
+                         facts_per_user=args.facts_per_user, k=args.k, rounds=args.rounds,
+                         max_tokens=args.max_tokens, seed=args.seed)
+    print(routing.report(result, out))
     return 0
 
 

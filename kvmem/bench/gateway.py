@@ -48,15 +48,15 @@ def run(*, data, workdir: Path, models_home: Path, users: int = 16, facts_per_us
                 rounds=rounds, sequential=sequential, max_tokens=max_tokens, seed=seed)
     rows = []
     with ExitStack() as stack:
-        serve = _start(stack, "serve", workdir, ["serve"], {}, models_home)
+        serve = start(stack, "serve", workdir, ["serve"], {}, models_home)
         rows.append(measure("serve", serve, [], **work))
         serve.stop()  # its engine must not share the cores with the replicas
         db_url, redis_url = stack.enter_context(postgres(workdir / "pg")), stack.enter_context(redis(workdir / "redis"))
         stores = {"KVMEM_KV_SHARED_URL": redis_url}
-        replicas = [_start(stack, f"replica-{i}", workdir, ["replica"], stores, models_home) for i in (1, 2)]
+        replicas = [start(stack, f"replica-{i}", workdir, ["replica"], stores, models_home) for i in (1, 2)]
         for n, behind in (("gateway-1", replicas[:1]), ("gateway-2", replicas)):
-            db = _database(db_url, n.replace("-", "_"))
-            gateway = _start(stack, n, workdir, ["gateway", "--replicas", ",".join(r.url for r in behind),
+            db = database(db_url, n.replace("-", "_"))
+            gateway = start(stack, n, workdir, ["gateway", "--replicas", ",".join(r.url for r in behind),
                                                  "--database-url", db], stores, models_home)
             rows.append(measure(n, gateway, behind, **work))
             gateway.stop()
@@ -68,7 +68,7 @@ def run(*, data, workdir: Path, models_home: Path, users: int = 16, facts_per_us
             "max_tokens": max_tokens, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
 
 
-def _start(stack: ExitStack, name: str, workdir: Path, args: list[str], env: dict, models_home: Path) -> KvmemProcess:
+def start(stack: ExitStack, name: str, workdir: Path, args: list[str], env: dict, models_home: Path) -> KvmemProcess:
     home = workdir / name
     home.mkdir(parents=True, exist_ok=True)
     proc = KvmemProcess(name, home, args, {**ENV, **env}, models_home)
@@ -76,7 +76,7 @@ def _start(stack: ExitStack, name: str, workdir: Path, args: list[str], env: dic
     return proc.wait("/v1/models" if args[0] == "replica" else "/health", timeout=900)
 
 
-def _database(url: str, name: str) -> str:
+def database(url: str, name: str) -> str:
     import psycopg
 
     with psycopg.connect(url, autocommit=True) as conn:
@@ -94,11 +94,11 @@ def measure(name: str, server: KvmemProcess, replicas: list[KvmemProcess], *, te
                                              "encode": "sync"})
             r.raise_for_status()
         for user in ids:  # warm-up: first requests of a process pay one-off costs
-            _ask(c, user, rng.choice(questions), k, max_tokens)
-    before = [_vllm_counters(r) for r in replicas]
+            ask(c, user, rng.choice(questions), k, max_tokens)
+    before = [vllm_counters(r) for r in replicas]
     seq = _sequential(server, ids, questions, k, max_tokens, sequential, seed)
     conc = _concurrent(server, ids, questions, k, max_tokens, rounds, seed)
-    after = [_vllm_counters(r) for r in replicas]
+    after = [vllm_counters(r) for r in replicas]
     row = {"config": name, "sequential": seq, "concurrent": conc, "replicas": len(replicas)}
     if replicas:
         row["affinity"] = _affinity(server)
@@ -107,7 +107,7 @@ def measure(name: str, server: KvmemProcess, replicas: list[KvmemProcess], *, te
     return row
 
 
-def _ask(client: httpx.Client, user: str, question: str, k: int, max_tokens: int) -> tuple[float, int]:
+def ask(client: httpx.Client, user: str, question: str, k: int, max_tokens: int) -> tuple[float, int]:
     """One streamed KV-mode chat -> (TTFT at the client, chunks with content)."""
     start, first, chunks = time.perf_counter(), None, 0
     body = {"model": "kvmem", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
@@ -124,7 +124,7 @@ def _ask(client: httpx.Client, user: str, question: str, k: int, max_tokens: int
 def _sequential(server, ids, questions, k, max_tokens, n, seed) -> dict:
     rng = random.Random(seed + 1)
     with httpx.Client(base_url=server.url, timeout=600) as c:
-        ttfts = [_ask(c, rng.choice(ids), rng.choice(questions), k, max_tokens)[0] for _ in range(n)]
+        ttfts = [ask(c, rng.choice(ids), rng.choice(questions), k, max_tokens)[0] for _ in range(n)]
     return {"requests": n, "ttft_p50": percentile(ttfts, 50), "ttft_mean": sum(ttfts) / n, "ttfts": ttfts}
 
 
@@ -136,7 +136,7 @@ def _concurrent(server, ids, questions, k, max_tokens, rounds, seed) -> dict:
         with httpx.Client(base_url=server.url, timeout=600) as c:
             for _ in range(rounds):
                 try:
-                    t, n = _ask(c, ids[u], rng.choice(questions), k, max_tokens)
+                    t, n = ask(c, ids[u], rng.choice(questions), k, max_tokens)
                     with lock:
                         ttfts.append(t)
                         chunks.append(n)
@@ -159,7 +159,7 @@ def _metric_lines(url: str) -> list[str]:
     return httpx.get(url + "/metrics", timeout=30).text.splitlines()
 
 
-def _vllm_counters(replica: KvmemProcess) -> dict:
+def vllm_counters(replica: KvmemProcess) -> dict:
     """Finished requests and prefix-cache hits/queries (tokens) of one replica, as vLLM counts them."""
     totals = {"requests": 0.0, "hits": 0.0, "queries": 0.0}
     names = {"vllm:request_success_total": "requests", "vllm:prefix_cache_hits_total": "hits",

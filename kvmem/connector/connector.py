@@ -94,8 +94,6 @@ class KvmemConnector(KVConnectorBase_V1):
                 and map_refused(settings.kv_dir, settings.fingerprint) is None
             recompute = map_refused(settings.kv_dir, settings.fingerprint, "recompute") is None
             self._scheduler = SchedulerSide(store, block_size, kv_map=mapping, recompute=recompute)
-            if settings.shared_url and settings.replica_url:  # one summary per replica: its scheduler's
-                self._publisher = ResidencyPublisher(store, settings.shared_url, settings.replica_url)
         else:
             store.worker_attached = True
             self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, settings)
@@ -152,6 +150,11 @@ class KvmemConnector(KVConnectorBase_V1):
         """Worker, once at start-up, after the paged caches are allocated (and before the
         scheduler side is built, which reads the worker's verdict on the reader's KV map)."""
         self._worker.register_kv_caches(kv_caches)
+        # The RAM tier is the worker's (vLLM's CPU backend runs it apart from the scheduler); one
+        # summary per replica, from its first worker.
+        if self._settings.shared_url and self._settings.replica_url and _first_worker():
+            self._publisher = ResidencyPublisher(self._worker.store, self._settings.shared_url,
+                                                 self._settings.replica_url)
         leave_map_refusal(self._settings.kv_dir, self._settings.fingerprint, self._worker.recompute_refusal,
                           "recompute")
         if self._settings.reader_adapter:
@@ -212,6 +215,16 @@ class KvmemConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._publisher is not None:
             self._publisher.close()
+
+
+def _first_worker() -> bool:
+    """This worker is rank 0 of the engine's workers (the only one, without parallelism)."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    try:
+        return get_world_group().rank_in_group == 0
+    except AssertionError:  # no distributed group (a worker built outside vLLM's executor)
+        return True
 
 
 def _build_worker(vllm_config, kv_cache_config, store: KVStore, block_size: int,

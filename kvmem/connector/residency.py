@@ -1,7 +1,8 @@
 """The replica's side of residency routing: publish what the RAM tier holds (kv/residency.py).
 
-Runs in vLLM's engine-core process (the connector's scheduler half starts it), on a daemon
-thread: every `INTERVAL_S` it compares the store's RAM tier with what it last published and
+Runs in the replica's first worker process, where the RAM tier is filled (the connector starts it
+once the paged caches are registered; vLLM's CPU backend runs the worker apart from the
+scheduler, whose store holds no blobs), on a daemon thread: every `INTERVAL_S` it compares the store's RAM tier with what it last published and
 rewrites the summary when they differ, and at least every third of the summary's TTL so that a
 live replica's summary never lapses. A Redis outage only delays the summary (logged once per
 outage): routing falls back to rendezvous where a summary is missing, so nothing fails.

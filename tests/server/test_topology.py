@@ -106,6 +106,21 @@ def members_gateway(topology, tmp_path_factory):
         gateway.stop()
 
 
+@pytest.fixture(scope="module")
+def residency_gateway(topology, tmp_path_factory):
+    """A gateway routing KV-mode chats by residency (engine.routing): to the replica whose RAM
+    tier holds the chat's facts, as the replicas publish it in Redis."""
+    urls = ",".join(r.url for r in topology["replicas"])
+    gateway = _start("gateway-residency", tmp_path_factory.mktemp("gateway-residency"),
+                     ["gateway", "--replicas", urls, "--database-url", topology["db_url"], "--routing", "residency"],
+                     {"KVMEM_KV_SHARED_URL": topology["redis_url"]})
+    try:
+        _wait(gateway, "/health")
+        yield gateway
+    finally:
+        gateway.stop()
+
+
 def _client(proc: KvmemProcess, tenant: str | None = None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else {}
     return httpx.Client(base_url=proc.url, timeout=300, headers=headers)
@@ -386,6 +401,46 @@ def test_two_gateways_under_a_write_burst_encode_each_fact_once(topology, keyed_
     print(f"\n{len(ids)} facts encoded in {burst_s:.1f} s: {replica_encodes:.0f} encodes finished by the replicas,"
           f" {gateway_encodes:.0f} sent")
     assert replica_encodes == len(ids) and gateway_encodes == len(ids)
+
+
+def test_a_chat_goes_where_its_facts_kv_is_resident(topology, residency_gateway, tmp_path_factory):
+    """Issue 54: a user's facts encoded and read on replica 1 (through a gateway that knows only
+    it) while rendezvous hashing sends that user to replica 2. The residency gateway's next chat
+    lands on replica 1, where the KV is in RAM; a rendezvous gateway's goes to replica 2. Counted
+    by the replicas' own vLLM request counters."""
+    import redis
+
+    from kvmem.kv import residency
+
+    (r1, r2), (a, _) = topology["replicas"], topology["gateways"]
+    user = _user_on(r2, [r1, r2], "resident")
+    facts = ["My sister Ines lives in Porto.", "Ines teaches the cello."]
+    only_r1 = _start("gateway-r1", tmp_path_factory.mktemp("gateway-r1"),
+                     ["gateway", "--replicas", r1.url, "--database-url", topology["db_url"]],
+                     {"KVMEM_KV_SHARED_URL": topology["redis_url"]})
+    try:
+        _wait(only_r1, "/health")
+        ids = _add(only_r1, user, facts)
+        with _client(only_r1) as c:
+            assert _chat(c, user, "Where does my sister live?", k=2).json()["memory"]["injected_tokens"] > 0
+    finally:
+        only_r1.stop()
+    held = redis.Redis.from_url(topology["redis_url"])
+    _until(lambda: residency.read(held, _fingerprint(), [r1.url, r2.url], ids).keys() == {r1.url},
+           what="replica 1's summary holding the facts")
+    with _client(residency_gateway) as c:
+        _until(lambda: c.post("/v1/memories/search", json={"user_id": user, "query": "sister"}).json()["results"],
+               what="the residency gateway finding the facts")
+
+    def served(gateway: KvmemProcess) -> tuple[float, float]:
+        before = [_scraped(r.url, "vllm:request_success_total") for r in (r1, r2)]
+        with _client(gateway) as c:
+            reply = _chat(c, user, "What does Ines teach?", k=2).json()
+        assert sorted(reply["memory"]["fact_ids"]) == sorted(ids)
+        return tuple(_scraped(r.url, "vllm:request_success_total") - b for r, b in zip((r1, r2), before))
+
+    assert served(residency_gateway) == (1, 0)  # where the KV is
+    assert served(a) == (0, 1)  # rendezvous: the user's hashed replica, which lacked it in RAM
 
 
 def _routed(gateway: KvmemProcess) -> dict[str, float]:
