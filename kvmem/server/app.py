@@ -15,6 +15,7 @@ from kvmem.mcp.server import HttpDoor
 from kvmem.server import errors, routes_chat, routes_mem0, routes_memory, routes_ops, ui
 from kvmem.server.metrics import Metrics
 from kvmem.server.middleware import BodyLimit, RequestContext
+from kvmem.server.ratelimit import RateLimiter
 from kvmem.server.runtime import Runtime
 from kvmem.server.settings import ServerSettings
 from kvmem.server.tenants import KeyRing
@@ -67,6 +68,9 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
     app.state.settings = settings
     app.state.runtime = runtime
     app.state.keys = keys
+    # Per tenant; one limit across every gateway on the same Redis (server/ratelimit.py).
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min, config.kv.shared_url) \
+        if settings.rate_limit_per_min else None
     app.state.metrics = Metrics(runtime)
     app.state.model_names = served_names(settings, config)
     errors.install(app)

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser, *, gateway: bool) -> None:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--max-inflight", type=int, help="chat requests answered at once; more get 429 (default 64)")
+    p.add_argument("--rate-limit-per-min", type=int, metavar="N",
+                   help="requests a minute per tenant, across every gateway on the same --kv-shared-url Redis; "
+                        "more get 429 (default: unlimited)")
     p.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     p.add_argument("--served-model-name", help="the model id clients use (the alias 'kvmem' always works too)")
     p.add_argument("--allow-public-without-keys", action="store_true", default=None,

@@ -13,7 +13,8 @@ The config file is TOML:
     max_model_len = 4096
 
 Environment: KVMEM_API_KEYS="tenant=key,tenant=key" (added to [tenants], not instead of them),
-KVMEM_SERVER_MAX_INFLIGHT, KVMEM_SERVER_MAX_BODY_BYTES, and kvmem's own KVMEM_* variables.
+KVMEM_SERVER_MAX_INFLIGHT, KVMEM_SERVER_MAX_BODY_BYTES, KVMEM_SERVER_RATE_LIMIT_PER_MIN, and kvmem's
+own KVMEM_* variables.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from kvmem.config_overlay import ConfigFile, Resolved, resolve
 
 SEP = "::"  # tenant/user separator inside the user ids kvmem stores
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_ENV_INTS = {"max_inflight": "KVMEM_SERVER_MAX_INFLIGHT", "max_body_bytes": "KVMEM_SERVER_MAX_BODY_BYTES"}
+_ENV_INTS = {"max_inflight": "KVMEM_SERVER_MAX_INFLIGHT", "max_body_bytes": "KVMEM_SERVER_MAX_BODY_BYTES",
+             "rate_limit_per_min": "KVMEM_SERVER_RATE_LIMIT_PER_MIN"}
 
 
 class SettingsError(ConfigError):
@@ -44,6 +46,9 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_inflight: int = 64  # chat requests answered at once; any more get 429 at once
+    # Requests a minute per tenant (all at once after a quiet minute), across every gateway on the
+    # same kv.shared_url Redis; more get 429 with Retry-After. None: unlimited (server/ratelimit.py).
+    rate_limit_per_min: int | None = None
     max_body_bytes: int = 4 << 20
     default_max_tokens: int = 128  # when a chat request sets neither max_tokens nor max_completion_tokens
     max_n: int = 8  # choices one chat request may ask for (`n`); each costs a generation
@@ -61,6 +66,9 @@ class ServerSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "port" else 1):
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+        rate = self.rate_limit_per_min
+        if rate is not None and (not isinstance(rate, int) or isinstance(rate, bool) or rate < 1):
+            raise SettingsError(f"rate_limit_per_min must be a positive integer (or unset), got {rate!r}")
 
     @property
     def public(self) -> bool:
