@@ -16,6 +16,7 @@ import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
 from mcp_types import ToolAnnotations
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
@@ -62,8 +63,12 @@ class HttpDoor:
     The caller's key is checked before the MCP exchange starts, so an unknown key gets the API's
     own 401, and a connection without a user a 400 naming the header."""
 
-    def __init__(self, backend: Backend, tenant_of: TenantOf, *, host: str, path: str = "/mcp") -> None:
+    def __init__(self, backend: Backend, tenant_of: TenantOf, *, host: str, path: str = "/mcp",
+                 admit: Callable[[str | None], None] | None = None) -> None:
+        """admit(tenant name): raises (an error with a code) to refuse the request, e.g. past the
+        tenant's rate; called once per HTTP request, in a worker thread."""
         self.tenant_of = tenant_of
+        self.admit = admit
         self.server = build_server(backend, lambda ctx: from_headers(ctx.headers, tenant_of), encode="background")
         self.server.streamable_http_app(stateless_http=True, json_response=True, host=host)
         self.asgi = StreamableHTTPASGIApp(self.server.session_manager)
@@ -77,7 +82,9 @@ class HttpDoor:
         from starlette.requests import Request
 
         try:
-            from_headers(Request(scope).headers, self.tenant_of)
+            caller = from_headers(Request(scope).headers, self.tenant_of)
+            if self.admit is not None:
+                await run_in_threadpool(self.admit, caller.tenant.name)
         except Exception as e:  # the key ring's and the caller's errors carry a code
             if getattr(e, "code", None) is None:
                 raise

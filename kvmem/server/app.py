@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import anyio.to_thread
 from fastapi import FastAPI
@@ -15,7 +16,7 @@ from kvmem.mcp.server import HttpDoor
 from kvmem.server import errors, routes_chat, routes_mem0, routes_memory, routes_ops, ui
 from kvmem.server.metrics import Metrics
 from kvmem.server.middleware import BodyLimit, RequestContext
-from kvmem.server.ratelimit import RateLimiter
+from kvmem.server.ratelimit import RateLimiter, enforce
 from kvmem.server.runtime import Runtime
 from kvmem.server.settings import ServerSettings
 from kvmem.server.tenants import KeyRing
@@ -51,7 +52,12 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
 
     runtime = Runtime(mem_factory, settings.max_inflight, on_engine_failure, dead=engine_dead)
     keys = KeyRing(settings.api_keys)
-    mcp = HttpDoor(runtime, keys.tenant, host=settings.host)  # the MCP tools at /mcp (docs/agents.md)
+    metrics = Metrics(runtime)
+    # Per tenant; one limit across every gateway on the same Redis (server/ratelimit.py).
+    limiter = RateLimiter(settings.rate_limit_per_min, config.kv.shared_url) if settings.rate_limit_per_min else None
+    # The MCP tools at /mcp (docs/agents.md), under the same per-tenant rate as the API.
+    mcp = HttpDoor(runtime, keys.tenant, host=settings.host,
+                   admit=partial(enforce, limiter, metrics) if limiter is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,10 +74,8 @@ def create_app(settings: ServerSettings | None = None, config: Config | None = N
     app.state.settings = settings
     app.state.runtime = runtime
     app.state.keys = keys
-    # Per tenant; one limit across every gateway on the same Redis (server/ratelimit.py).
-    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min, config.kv.shared_url) \
-        if settings.rate_limit_per_min else None
-    app.state.metrics = Metrics(runtime)
+    app.state.metrics = metrics
+    app.state.rate_limiter = limiter
     app.state.model_names = served_names(settings, config)
     errors.install(app)
     for module in (routes_chat, routes_memory, routes_mem0, routes_ops):

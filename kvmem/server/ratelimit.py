@@ -23,6 +23,7 @@ import redis
 from redis.exceptions import RedisError
 
 from kvmem.kv.shared import CONNECT_TIMEOUT_S, safe_url
+from kvmem.server.errors import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,14 @@ class RateLimiter:
             self._client.close()
 
 
-def retry_after(wait_s: float) -> str:
-    """Retry-After's whole seconds, never 0 (a client would retry at once and be refused again)."""
-    return str(max(1, math.ceil(wait_s)))
+def enforce(limiter: RateLimiter | None, metrics, tenant: str | None) -> None:
+    """ApiError 429 with Retry-After when `tenant` is past its rate (nothing without a limiter);
+    counted in metrics.rejected. Blocking: one Redis round trip."""
+    if limiter is None:
+        return
+    wait = limiter.admit(tenant)
+    if wait is not None:
+        metrics.rejected.labels("rate_limit").inc()
+        raise ApiError(429, f"rate limit reached: {limiter.per_min} requests a minute per tenant; retry in "
+                       f"{wait:.1f} s", type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(max(1, math.ceil(wait)))})  # never 0: an instant retry fails

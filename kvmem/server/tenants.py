@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from kvmem.errors import InvalidInputError
 from kvmem.facts.text import check_unicode
 from kvmem.server.errors import ApiError
-from kvmem.server.ratelimit import retry_after
+from kvmem.server.ratelimit import enforce
 from kvmem.server.settings import SEP
 
 
@@ -98,14 +98,8 @@ def bearer_key(authorization: str) -> str:
 async def current_tenant(request: Request) -> Tenant:
     """FastAPI dependency: the caller's tenant, or 401; 429 past the tenant's request rate."""
     tenant = request.app.state.keys.tenant(request.headers.get("authorization"))
-    limiter = getattr(request.app.state, "rate_limiter", None)
-    if limiter is not None:
-        wait = await run_in_threadpool(limiter.admit, tenant.name)  # maybe a Redis round trip
-        if wait is not None:
-            request.app.state.metrics.rejected.labels("rate_limit").inc()
-            raise ApiError(429, f"rate limit reached: {limiter.per_min} requests a minute per tenant; retry in "
-                           f"{wait:.1f} s", type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": retry_after(wait)})
+    state = request.app.state
+    await run_in_threadpool(enforce, getattr(state, "rate_limiter", None), state.metrics, tenant.name)
     return tenant
 
 

@@ -67,3 +67,7 @@ def test_two_gateways_on_one_redis_answer_429_with_retry_after_past_the_tenants_
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
         assert 1 <= int(refused.headers["retry-after"]) <= 21
         assert 'kvmem_rejected_requests_total{reason="rate_limit"}' in b.get("/metrics").text
+        # The MCP door at /mcp counts against the same rate, before any MCP exchange starts.
+        mcp = a.post("/mcp", headers={"X-Kvmem-User-Id": "u", "Accept": "application/json, text/event-stream"},
+                     json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        assert mcp.status_code == 429 and mcp.json()["error"]["code"] == "rate_limit_exceeded"
