@@ -231,13 +231,15 @@ class Chats:
         if args.mode == "kv":
             self.keeper.need_encoder().ensure_head()
         t1 = time.perf_counter()
+        text_facts, rec = _fidelity_of(args, self.config.kv)
+        if args.mode == "kv" and text_facts and self.config.kv.text_facts_rule == "relevant":
+            facts = relevant_last(facts, scores, text_facts)
         tokens = self.prompts.fact_tokens_many([f.text for f in facts])
         prompt = self.prompts.chat([(f.id, t) for f, t in zip(facts, tokens)], messages, args.tools)
         if len(prompt.token_ids) + args.max_tokens > self.config.engine.max_model_len:
             raise InvalidInputError(f"prompt of {len(prompt.token_ids)} tokens + {args.max_tokens} new tokens "
                                     f"exceeds the model's {self.config.engine.max_model_len}", param="messages",
                                     code=TOO_LONG)
-        text_facts, rec = _fidelity_of(args, self.config.kv)
         # The facts start after the head: where the reader's KV map begins (sent only when reading with it).
         plan = Plan(INJECT, injected(prompt.segments, text_facts), map_from=len(self.prompts.head_ids),
                     recompute=rec if rec.on else None) if args.mode == "kv" else None
@@ -363,6 +365,14 @@ def injected(segments: tuple, text_facts: int) -> tuple:
     """The prompt's segments ([head, fact_1..fact_k]) less the last `text_facts` facts, which the
     engine then prefills as text after the injected prefix (config.KVConfig.text_facts)."""
     return segments[: max(1, len(segments) - text_facts)]
+
+
+def relevant_last(facts: list[FactRecord], scores: dict[str, float], n: int) -> list[FactRecord]:
+    """The `n` best-scored facts moved after the others, each part in the order given: KV mode
+    prefills its last facts as text (kv.text_facts_rule = "relevant"), so the facts that matter
+    most to the question attend to all the others as in text prefill."""
+    best = {f.id for f in sorted(facts, key=lambda f: -scores.get(f.id, float("-inf")))[:n]}
+    return [f for f in facts if f.id not in best] + [f for f in facts if f.id in best]
 
 
 def kv_first(facts: list[FactRecord]) -> list[FactRecord]:

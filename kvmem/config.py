@@ -1,8 +1,8 @@
 """Configuration as frozen dataclasses, and the KVMEM_* variables that set them (`ENV`).
 
-`ENV` and `env_values` are the one place that reads the environment: `Config.from_env` (the
-Python API) layers it over the defaults, and the commands' overlay (config_overlay.py) layers it
-between their config file and their flags.
+config_env.py's `ENV` and `env_values` are the one place that reads the environment:
+`Config.from_env` (the Python API) layers it over the defaults, and the commands' overlay
+(config_overlay.py) layers it between their config file and their flags.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvmem.config_env import ConfigError, env_values
 from kvmem.errors import KvmemError
 
 # Bumped whenever the blob layout or the meaning of stored K changes; part of every fingerprint.
@@ -149,6 +150,8 @@ class KVConfig:
     text_facts: the last N facts of a KV-mode chat are prefilled as text after the injected ones,
       so they attend to every fact before them as in text prefill (closer to text mode's answer,
       for a fixed cost of N facts' tokens whatever k is; measured in docs/benchmarks.md).
+    text_facts_rule: which facts those are: "last" (the latest stored) or "relevant" (the N that
+      retrieval scored best, moved after the others).
     recompute: the fraction of each injected fact's tokens the connector computes again, layer by
       layer, over the whole injected cache, so facts attend to the facts before them as in text
       prefill (kv/recompute.py; 0: plain injection, 1: text prefill's KV, computed by the engine's
@@ -168,6 +171,7 @@ class KVConfig:
     tenant_quota_mib: float | None = None
     shared_url: str | None = None
     text_facts: int = 0
+    text_facts_rule: str = "last"
     recompute: float = 0.0
     recompute_rule: str = "deviation"
     fidelity: str | None = None
@@ -184,6 +188,8 @@ class KVConfig:
         # bool is an int to Python, not a count: True must not mean "one fact".
         if not (isinstance(self.text_facts, int) and not isinstance(self.text_facts, bool) and self.text_facts >= 0):
             raise ValueError(f"kv.text_facts must be an int >= 0, got {self.text_facts!r}")
+        if self.text_facts_rule not in ("last", "relevant"):
+            raise ValueError(f"kv.text_facts_rule must be 'last' or 'relevant', got {self.text_facts_rule!r}")
         if self.fidelity is not None:
             point(self.fidelity)  # ValueError naming the points
             if (self.recompute, self.recompute_rule, self.text_facts) != (0.0, "deviation", 0):
@@ -348,11 +354,6 @@ class Config:
             raise ConfigError(str(e)) from e
 
 
-class ConfigError(KvmemError, ValueError):
-    """A configuration value kvmem cannot use: a bad KVMEM_* variable, config file entry or
-    value out of range. A ValueError too, as the dataclasses' own checks have always raised."""
-
-
 SECTIONS: dict[str, type] = {f.name: type(f.default) for f in dataclasses.fields(Config)
                              if dataclasses.is_dataclass(f.default)}
 PATHS = ("home", "models_home", "kv_root")  # the keys whose values are folders
@@ -375,76 +376,4 @@ def flatten(config: Config) -> dict[str, Any]:
     for key in keys():
         section, _, name = key.rpartition(".")
         out[key] = getattr(getattr(config, section) if section else config, name)
-    return out
-
-
-def _mib_or_none(value: str) -> float | None:
-    """"" -> None (unlimited), else the number of MiB."""
-    return None if value == "" else float(value)
-
-
-def _tristate(value: str) -> bool | None:
-    """"" -> None (automatic), "0" -> False, anything else -> True."""
-    return None if value == "" else value != "0"
-
-
-@dataclass(frozen=True)
-class EnvVar:
-    """A KVMEM_* variable: its name and how its text is read.
-
-    blank_unset: "" reads as not set (for those whose "" always meant the default), so an empty
-    variable left in a shell does not hide a config file's value."""
-
-    name: str
-    parse: Callable[[str], Any]
-    blank_unset: bool = False
-
-
-# flat key -> its variable. Keys absent here have no variable (config file or flags only).
-ENV: dict[str, EnvVar] = {
-    "home": EnvVar("KVMEM_HOME", Path),
-    "database_url": EnvVar("KVMEM_DATABASE_URL", str, blank_unset=True),
-    "engine.model": EnvVar("KVMEM_MODEL", str, blank_unset=True),
-    "engine.block_size": EnvVar("KVMEM_BLOCK_SIZE", int),
-    "engine.max_model_len": EnvVar("KVMEM_MAX_MODEL_LEN", int),
-    "engine.cpu_kv_space_gib": EnvVar("KVMEM_CPU_KV_SPACE_GIB", int),
-    "engine.gpu_memory_utilization": EnvVar("KVMEM_GPU_MEMORY_UTILIZATION", float),
-    "engine.load_format": EnvVar("KVMEM_LOAD_FORMAT", str),
-    "engine.enforce_eager": EnvVar("KVMEM_ENFORCE_EAGER", _tristate, blank_unset=True),
-    "engine.url": EnvVar("KVMEM_ENGINE_URL", str, blank_unset=True),
-    "engine.routing": EnvVar("KVMEM_ENGINE_ROUTING", str),
-    "engine.connect_timeout_s": EnvVar("KVMEM_ENGINE_CONNECT_TIMEOUT_S", float),
-    "engine.reply_timeout_s": EnvVar("KVMEM_ENGINE_REPLY_TIMEOUT_S", float),
-    "engine.vllm_args": EnvVar("KVMEM_VLLM_ARGS", str, blank_unset=True),  # one shell-quoted string
-    "kv.codec": EnvVar("KVMEM_KV_CODEC", str),
-    "kv.recompute": EnvVar("KVMEM_KV_RECOMPUTE", float),
-    "kv.recompute_rule": EnvVar("KVMEM_KV_RECOMPUTE_RULE", str),
-    "kv.reader_adapter": EnvVar("KVMEM_READER_ADAPTER", str),
-    "kv.hot_cache_mib": EnvVar("KVMEM_HOT_CACHE_MIB", int),
-    "kv.disk_budget_mib": EnvVar("KVMEM_KV_DISK_BUDGET_MIB", _mib_or_none, blank_unset=True),
-    "kv.tenant_quota_mib": EnvVar("KVMEM_KV_TENANT_QUOTA_MIB", _mib_or_none, blank_unset=True),
-    "kv.shared_url": EnvVar("KVMEM_KV_SHARED_URL", str, blank_unset=True),
-    "kv.text_facts": EnvVar("KVMEM_KV_TEXT_FACTS", int),
-    "kv.fidelity": EnvVar("KVMEM_KV_FIDELITY", str, blank_unset=True),
-    "retrieval.mode": EnvVar("KVMEM_RETRIEVAL", str),
-    "retrieval.depth": EnvVar("KVMEM_RETRIEVAL_DEPTH", int),
-    "retrieval.dense_weight": EnvVar("KVMEM_RETRIEVAL_DENSE_WEIGHT", float),
-    "extract.url": EnvVar("KVMEM_EXTRACT_URL", str, blank_unset=True),
-    "extract.model": EnvVar("KVMEM_EXTRACT_MODEL", str, blank_unset=True),
-    "extract.api_key": EnvVar("KVMEM_EXTRACT_API_KEY", str, blank_unset=True),
-    "extract.on_unavailable": EnvVar("KVMEM_EXTRACT_ON_UNAVAILABLE", str),
-}
-
-
-def env_values(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """{flat key: (value, variable name)} for each KVMEM_* variable set in env."""
-    out: dict[str, tuple[Any, str]] = {}
-    for key, var in ENV.items():
-        raw = env.get(var.name)
-        if raw is None or (raw == "" and var.blank_unset):
-            continue
-        try:
-            out[key] = (var.parse(raw), var.name)
-        except ValueError as e:
-            raise ConfigError(f"{var.name}={raw!r}: {e}") from None
     return out

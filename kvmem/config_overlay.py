@@ -28,8 +28,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvmem.config import (PATHS, SECTIONS, Config, ConfigError, builtin_home, default_home, env_values, flatten,
-                          keys)
+from kvmem.config import PATHS, SECTIONS, Config, ConfigError, builtin_home, default_home, flatten, keys
+from kvmem.config_env import env_values
 from kvmem.errors import KvmemError
 
 SOURCES = ("default", "file", "env", "flag")  # lowest to highest precedence
@@ -48,6 +48,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "database_url": ("database_url", "--database-url"),
     "kv_shared_url": ("kv.shared_url", "--kv-shared-url"),
     "text_facts": ("kv.text_facts", "--text-facts"),
+    "text_facts_rule": ("kv.text_facts_rule", "--text-facts-rule"),
     "recompute": ("kv.recompute", "--recompute"),
     "recompute_rule": ("kv.recompute_rule", "--recompute-rule"),
     "fidelity": ("kv.fidelity", "--fidelity"),

@@ -23,7 +23,8 @@ from collections import defaultdict
 from typing import Any
 
 from kvmem.cli.parser import build_parser, leaf_commands
-from kvmem.config import ENV, SECTIONS, Config, keys
+from kvmem.config import SECTIONS, Config, keys
+from kvmem.config_env import ENV
 from kvmem.config_overlay import FLAGS
 from kvmem.server.settings import _ENV_INTS, ServerSettings
 

@@ -43,6 +43,15 @@ def test_kv_text_facts_comes_from_the_environment_and_must_be_a_count(monkeypatc
         KVConfig(text_facts=True)  # as the service refuses it per chat
 
 
+def test_kv_text_facts_rule_comes_from_the_environment_and_names_its_choices(monkeypatch):
+    assert Config.from_env().kv.text_facts_rule == "last"
+    monkeypatch.setenv("KVMEM_KV_TEXT_FACTS_RULE", "relevant")
+    assert Config.from_env().kv.text_facts_rule == "relevant"
+    monkeypatch.setenv("KVMEM_KV_TEXT_FACTS_RULE", "best")
+    with pytest.raises(ValueError, match="text_facts_rule must be 'last' or 'relevant'"):
+        Config.from_env()
+
+
 def test_kv_fidelity_names_a_point_that_sets_recompute_and_text_facts(monkeypatch):
     from kvmem.kv.fidelity import POINTS
     from kvmem.kv.recompute import Recompute

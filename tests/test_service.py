@@ -301,3 +301,26 @@ def test_chat_write_back_stores_the_last_user_turn_after_its_window(mem):
         mem.chat("Hi", user_id=user, max_tokens=2, store="all")
     assert e.value.param == "store"
     mem.delete_all(user_id=user)
+
+
+def test_relevant_text_facts_are_the_best_scored_moved_last(mem):
+    """kv.text_facts_rule = "relevant": the fact retrieval scored best is the one prefilled as text,
+    after the injected ones; "last" keeps stored order and prefills the latest."""
+    from dataclasses import replace
+
+    from kvmem.chat import ChatArgs
+
+    ids = mem.add(facts=["I was born in Oslo.", "My car is a red Fiat.", "I collect old stamps."],
+                  user_id="relevant-last").ids
+    messages = [{"role": "user", "content": "Which car do I drive?"}]
+    config = mem.chats.config
+    try:
+        for rule, last in (("last", ids[2]), ("relevant", ids[1])):
+            mem.chats.config = replace(config, kv=replace(config.kv, text_facts_rule=rule))
+            prepared = mem.chats.prepare(messages, ChatArgs(user_id="relevant-last", k=3, text_facts=1))
+            assert [f.id for f in prepared.facts][-1] == last
+            assert {f.id for f in prepared.facts} == set(ids)
+            injected = {s.fact_id for s in prepared.request.plan.segments}
+            assert last not in injected and len(injected & set(ids)) == 2
+    finally:
+        mem.chats.config = config

@@ -162,6 +162,9 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     lc.add_argument("--text-facts", type=non_negative_int, default=None,
                     help="KV mode prefills its last N facts as text (default: the configured kv.text_facts, "
                          "KVMEM_KV_TEXT_FACTS, 0)")
+    lc.add_argument("--text-facts-rule", choices=("last", "relevant"), default=None,
+                    help="which facts are prefilled as text: the last stored or the best-scored, moved last "
+                         "(default: the configured kv.text_facts_rule, last)")
     recompute_options(lc)
     data_options(lc, "locomo")
     lc.set_defaults(func=cmd_locomo)
@@ -422,7 +425,8 @@ def cmd_locomo(args, config) -> int:
     # --text-facts reached config.kv.text_facts through the overlay (config_overlay.FLAGS).
     cfg = eval_locomo.EvalConfig(args.data, args.conversations, args.k, args.memory, args.window, args.limit or None,
                                  seed=args.seed, workers=args.workers, ranking=args.ranking, codecs=args.codecs,
-                                 text_facts=config.kv.text_facts_setting, observation_window=args.observation_window,
+                                 text_facts=config.kv.text_facts_setting, text_facts_rule=config.kv.text_facts_rule,
+                                 observation_window=args.observation_window,
                                  observation_origin=args.observation_origin,
                                  recompute=config.kv.recompute_setting.tag, noise_floor=args.noise_floor)
     with _open(config) as mem:

@@ -51,6 +51,7 @@ class EvalConfig:
     ranking: str | None = None  # None: the service's configured retrieval (hybrid by default)
     codecs: tuple[str, ...] = ()  # KV codecs to answer with too, re-coded from the lossless blobs
     text_facts: int = 0  # the last facts KV mode prefills as text (the service's kv.text_facts, set by the caller)
+    text_facts_rule: str = "last"  # which: the service's kv.text_facts_rule, set by the caller
     observation_window: int | None = None  # with memory "both": the observations' window (None: 0)
     observation_origin: bool = False  # observations searched with the turn they restate (never encoded)
     recompute: str = "off"  # the service's kv.recompute setting (Recompute.tag), set by the caller: names the run
@@ -103,6 +104,7 @@ class EvalConfig:
         ranking = f"-{self.ranking}" if self.ranking else ""
         codecs = "-codecs-" + "+".join(self.codecs) if self.codecs else ""
         text = f"-text-facts-{self.text_facts}" if self.text_facts else ""
+        text += "-relevant" if self.text_facts and self.text_facts_rule == "relevant" else ""
         rc = f"-recompute-{self.recompute}" if self.recompute != "off" else ""
         return f"locomo-{self.memory_name}-k{self.k}{sample}{subset}{ranking}{codecs}{text}{rc}"
 
