@@ -9,6 +9,7 @@ the other replica, which pulls the blobs it lacks from Redis) or gets a clear 50
 client at a gateway's /mcp (a third gateway, the one with API keys) stores facts in the same
 PostgreSQL, encoded by the replicas, that its tenant's chats inject, and another tenant sees none.
 Two gateways under a write burst encode each fact once (a lease per fact and model, facts/leases.py).
+A gateway routing by residency sends a chat to the replica whose RAM tier holds its facts' KV.
 """
 
 from __future__ import annotations
