@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 
 def add_fact(mem, user_id: str, text: str, context: str = "", encode: str = "sync"):
@@ -19,3 +22,12 @@ def in_threads(fn, n: int) -> list:
     """fn(0..n-1) on n threads at once; results in order (an exception in any call is raised)."""
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(fn, range(n)))
+
+
+def until(check, timeout: float, poll_s: float = 0.05) -> None:
+    """Wait for check() to hold; the test fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout} s")
+        time.sleep(poll_s)

@@ -55,25 +55,13 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     ca.set_defaults(func=cmd_cache)
     g = bench.add_parser("gateway", help="kvmem serve vs a gateway in front of 1 and 2 replicas (real processes, "
                                          "PostgreSQL and Redis on loopback)")
-    g.add_argument("--users", type=int, default=16, help="concurrent users (default: 16)")
-    g.add_argument("--facts-per-user", type=int, default=8)
-    g.add_argument("-k", type=int, default=5, help="facts per chat (default: 5)")
-    g.add_argument("--rounds", type=int, default=4, help="questions per user in the concurrent run (default: 4)")
+    topology_options(g, 16, "concurrent users", "questions per user in the concurrent run")
     g.add_argument("--sequential", type=int, default=24, help="one-at-a-time requests for the hop cost (default: 24)")
-    g.add_argument("--max-tokens", type=int, default=16)
-    g.add_argument("--workdir", type=Path, default=None, help="where the processes keep their data (default: a "
-                                                              "fresh temporary folder)")
     data_options(g, "gateway")
     g.set_defaults(func=cmd_gateway)
     ro = bench.add_parser("routing", help="rendezvous vs residency routing on two real replicas, every user's "
                                           "KV warm on replica 1 (as after replica 2 joined)")
-    ro.add_argument("--users", type=int, default=12, help="users, half per routing (default: 12)")
-    ro.add_argument("--facts-per-user", type=int, default=8)
-    ro.add_argument("-k", type=int, default=5, help="facts per chat (default: 5)")
-    ro.add_argument("--rounds", type=int, default=4, help="questions per user, in each phase (default: 4)")
-    ro.add_argument("--max-tokens", type=int, default=16)
-    ro.add_argument("--workdir", type=Path, default=None, help="where the processes keep their data (default: a "
-                                                               "fresh temporary folder)")
+    topology_options(ro, 12, "users, half per routing", "questions per user, in each phase")
     data_options(ro, "routing", synthetic=True)
     ro.set_defaults(func=cmd_routing)
     cl = bench.add_parser("cluster", help="simulated replicas routed by the real router: rendezvous vs residency, "
@@ -205,6 +193,17 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     data_options(rt, "retrieval")
     rt.set_defaults(func=cmd_retrieval)
     return bench
+
+
+def topology_options(p, users: int, users_help: str, rounds_help: str) -> None:
+    """The options of the benches that start real replicas and gateways (gateway, routing)."""
+    p.add_argument("--users", type=int, default=users, help=f"{users_help} (default: {users})")
+    p.add_argument("--facts-per-user", type=int, default=8)
+    p.add_argument("-k", type=int, default=5, help="facts per chat (default: 5)")
+    p.add_argument("--rounds", type=int, default=4, help=f"{rounds_help} (default: 4)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="where the processes keep their data (default: a fresh temporary folder)")
 
 
 def data_options(p, name: str, *, synthetic: bool = False) -> None:

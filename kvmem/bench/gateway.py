@@ -97,7 +97,7 @@ def measure(name: str, server: KvmemProcess, replicas: list[KvmemProcess], *, te
             ask(c, user, rng.choice(questions), k, max_tokens)
     before = [vllm_counters(r) for r in replicas]
     seq = _sequential(server, ids, questions, k, max_tokens, sequential, seed)
-    conc = _concurrent(server, ids, questions, k, max_tokens, rounds, seed)
+    conc = concurrent(server, ids, questions, k, max_tokens, rounds, seed)
     after = [vllm_counters(r) for r in replicas]
     row = {"config": name, "sequential": seq, "concurrent": conc, "replicas": len(replicas)}
     if replicas:
@@ -128,7 +128,7 @@ def _sequential(server, ids, questions, k, max_tokens, n, seed) -> dict:
     return {"requests": n, "ttft_p50": percentile(ttfts, 50), "ttft_mean": sum(ttfts) / n, "ttfts": ttfts}
 
 
-def _concurrent(server, ids, questions, k, max_tokens, rounds, seed) -> dict:
+def concurrent(server, ids, questions, k, max_tokens, rounds, seed) -> dict:
     ttfts, chunks, errors, lock = [], [], [], threading.Lock()
 
     def user_loop(u: int) -> None:

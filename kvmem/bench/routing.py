@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import random
 import re
-import threading
 import time
 import uuid
 from contextlib import ExitStack
@@ -31,7 +30,7 @@ import httpx
 from tqdm import tqdm
 
 from kvmem.bench import locomo
-from kvmem.bench.gateway import ask, database, start
+from kvmem.bench.gateway import ask, concurrent, database, start
 from kvmem.bench.report import percentile, write_json
 from kvmem.bench.servers import postgres, redis
 
@@ -61,7 +60,8 @@ def run(*, data, workdir: Path, models_home: Path, users: int = 12, facts_per_us
                 ask(c, user, rng.choice(questions), k, max_tokens)
         time.sleep(3)  # the routing gateways' indexes hear the writes; the summaries are published
         sequential = _sequential(gateway, arms, questions, k, max_tokens, rounds, seed)
-        concurrent = {arm: _concurrent(gateway[arm], arms[arm], questions, k, max_tokens, rounds, seed) for arm in ARMS}
+        concurrent = {arm: concurrent(gateway[arm], arms[arm], questions, k, max_tokens, rounds, seed)
+                      for arm in ARMS}
         placed = {arm: _per_replica(gateway[arm], [r.url for r in replicas]) for arm in ARMS}
     return {"bench": "routing", "users": users, "facts_per_user": facts_per_user, "k": k, "rounds": rounds,
             "max_tokens": max_tokens, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -82,26 +82,6 @@ def _sequential(gateway, arms, questions, k, max_tokens, rounds, seed) -> dict:
         for c in clients.values():
             c.close()
     return {arm: _summary(t) for arm, t in ttfts.items()}
-
-
-def _concurrent(gateway, users, questions, k, max_tokens, rounds, seed) -> dict:
-    ttfts, lock = [], threading.Lock()
-
-    def loop(u: int) -> None:
-        rng = random.Random(seed * 1000 + u)
-        with httpx.Client(base_url=gateway.url, timeout=600) as c:
-            for _ in range(rounds):
-                t = ask(c, users[u], rng.choice(questions), k, max_tokens)[0]
-                with lock:
-                    ttfts.append(t)
-
-    began = time.perf_counter()
-    threads = [threading.Thread(target=loop, args=(u,)) for u in range(len(users))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {**_summary(ttfts), "requests_per_s": len(ttfts) / (time.perf_counter() - began)}
 
 
 def _summary(ttfts: list[float]) -> dict:

@@ -11,14 +11,11 @@ import pytest
 from kvmem.engine.membership import Registry, Watcher
 from kvmem.engine.replica_lease import Lease
 from kvmem.errors import InvalidInputError
+from tests.helpers import until
 
 
 def _until(check, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout} s")
-        time.sleep(0.05)
+    until(check, timeout)
 
 
 def test_a_registered_replica_is_live_until_it_drains_or_leaves(pg_url):

@@ -16,6 +16,7 @@ from kvmem.engine.residency import SLOTS, ResidencyView
 from kvmem.kv import residency
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.store import KVStore
+from tests.helpers import until
 
 A, B = "http://replica-a:8000", "http://replica-b:8000"
 
@@ -26,11 +27,7 @@ def _blob(fact_id: str, fp: str, n: int = 6) -> KVBlob:
 
 
 def _until(check, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout} s")
-        time.sleep(0.02)
+    until(check, timeout, poll_s=0.02)
 
 
 @pytest.fixture
