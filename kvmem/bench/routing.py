@@ -60,12 +60,12 @@ def run(*, data, workdir: Path, models_home: Path, users: int = 12, facts_per_us
                 ask(c, user, rng.choice(questions), k, max_tokens)
         time.sleep(3)  # the routing gateways' indexes hear the writes; the summaries are published
         sequential = _sequential(gateway, arms, questions, k, max_tokens, rounds, seed)
-        concurrent = {arm: concurrent(gateway[arm], arms[arm], questions, k, max_tokens, rounds, seed)
-                      for arm in ARMS}
+        together = {arm: concurrent(gateway[arm], arms[arm], questions, k, max_tokens, rounds, seed)
+                    for arm in ARMS}
         placed = {arm: _per_replica(gateway[arm], [r.url for r in replicas]) for arm in ARMS}
     return {"bench": "routing", "users": users, "facts_per_user": facts_per_user, "k": k, "rounds": rounds,
             "max_tokens": max_tokens, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "sequential": sequential, "concurrent": concurrent, "per_replica": placed}
+            "sequential": sequential, "concurrent": together, "per_replica": placed}
 
 
 def _sequential(gateway, arms, questions, k, max_tokens, rounds, seed) -> dict:
