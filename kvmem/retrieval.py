@@ -183,6 +183,19 @@ class Retrieval:
                 return live[:k]
             depth = k + len(records) - len(live)  # > depth: more than depth - k of them had expired
 
+    def warm(self) -> None:
+        """One hybrid search through throwaway indexes, so that the query embedder's weights and
+        the compiled ranking kernels (numba) load now rather than in a user's first search: that
+        one took ~1 s on a 2-core host, where later ones take tens of ms. The graph tier's kernels
+        (scopes past 20k facts) still load on their first graph search."""
+        texts = ["kvmem warm-up", "another warm-up fact"]
+        vectors = self.embedder.embed(texts)  # [2, dim]
+        dense, lexical = TieredIndex(self.embedder.dim), LexicalIndex()
+        dense.add("warm-up", ["w0", "w1"], vectors, [{}, {}])
+        lexical.add("warm-up", ["w0", "w1"], texts, [{}, {}])
+        fusion.hybrid_search(dense, lexical, "warm-up", vectors[0], texts[0], 1, None, self.config.depth,
+                             self.config.dense_weight)
+
     def _rank(self, user_id: str, query: str, vector, k: int, conditions, mode: str) -> list[Hit]:
         if mode == "lexical":
             return self.lexical.search(user_id, query, k, conditions)

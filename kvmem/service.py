@@ -217,6 +217,12 @@ class KVMem:
                             engine=self.engine.status() if self.engine is not None else None,
                             fact_encodes=self.encoder.sent if self.encoder is not None else 0)
 
+    def warm_up(self) -> None:
+        """What a long-lived process does once before it serves (kvmem serve, the MCP server): the
+        query embedder and the ranking kernels loaded, so the first chat's retrieval is not ~1 s
+        (Retrieval.warm)."""
+        self.retrieval.warm()
+
     def close(self) -> None:
         self.retrieval.close()
         self.keeper.close()

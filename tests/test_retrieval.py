@@ -174,3 +174,19 @@ def test_a_fact_is_found_by_the_words_of_its_origin_and_encoded_without_it(mem):
         mem.add([{"role": "user", "content": "hi"}], user_id="b", origin=said)
     with pytest.raises(InvalidInputError, match="origin must be a string"):
         mem.add(facts=["x"], user_id="b", origin=None)
+
+
+def test_warm_up_loads_the_embedder_and_leaves_no_trace(tmp_path, model_dir):
+    from kvmem.embed import MiniLMEmbedder
+    from kvmem.index import heap
+
+    config = Config(home=tmp_path / "home", models_home=model_dir.parent)
+    with KVMem(config, start_engine=False, embedder=MiniLMEmbedder()) as m:
+        ids = m.add(facts=[BERTHA], user_id="u", encode="none").ids
+        assert m.embedder.loaded  # adding embeds; a fresh one is what warm_up must load
+    with KVMem(config, start_engine=False, embedder=MiniLMEmbedder()) as m:
+        assert not m.embedder.loaded
+        m.warm_up()
+        assert m.embedder.loaded and heap.scatter_add.signatures  # the lexical ranking's kernel is compiled
+        assert [h.id for h in m.search("Bertha", user_id="u", k=5)] == list(ids)
+        assert m.search("warm-up", user_id="warm-up", k=5) == [] and m.facts.count() == 1

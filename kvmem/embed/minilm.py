@@ -52,6 +52,11 @@ class MiniLMEmbedder(Embedder):
         # when two threads use it at once, and torch already spreads one batch over the cores.
         self._lock = threading.Lock()
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the weights are in memory (they load on the first `embed`, or `warm`)."""
+        return self._model is not None
+
     def _embed_batch(self, texts: list[str]) -> np.ndarray:
         with self._lock:
             self._load()

@@ -109,3 +109,11 @@ def test_matches_sentence_transformers_reference(embedder):
     # (checked once against sentence-transformers 6.2.0: max difference 1.5e-8 over all 384).
     out = embedder.embed(["This is an example sentence"])[0]
     np.testing.assert_allclose(out[:4], [0.06765691, 0.06349594, 0.04871314, 0.07930505], atol=1e-5)
+
+
+def test_the_model_loads_on_first_use_and_says_so():
+    cold = MiniLMEmbedder()
+    assert not cold.loaded
+    cold.embed(["warm-up"])
+    assert cold.loaded
+    np.testing.assert_array_equal(cold.embed(TEXTS), MiniLMEmbedder().embed(TEXTS))

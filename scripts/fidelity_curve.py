@@ -1,0 +1,128 @@
+"""The fidelity curve as measured: answers against the engine's own noise floor, and the TTFT kept.
+
+    python scripts/fidelity_curve.py            # prints the table, draws docs/results/fidelity-points.png
+
+Every point's answers come from one `kvmem eval locomo` run over all 650 questions of categories
+1-4 of the reporting conversations (conv-42/43/44/47), k=10 observations, the shipped map
+(`--no-noise-floor` for all but the first). Same answer is read against the noise floor of the
+first run (text mode's second pass over the same 650 questions, another batch composition), so
+every point is divided by that one floor. "exact" ran on 255 of those questions; its floor is
+the same run's on those 255 (docs/benchmarks.md, "Answers at n = 650").
+
+TTFT: each point's `kvmem bench ttft` (k=50, 5 repetitions) times it beside plain injection of
+every fact in the same run, alternating, so "gain kept" is (text/kv at the point) / (text/kv with
+every fact injected), side by side. Points whose file is missing are listed as not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+RUN = "locomo-observations-w0-k10-conv-42+conv-43+conv-44+conv-47"
+EXACT = "locomo-observations-w0-k10-limit85-conv-42+conv-43+conv-44-recompute-first-1.json"
+EXACT_FLOOR = 0.753  # text vs its second pass on the exact run's 255 questions (benchmarks.md)
+
+# label, eval file, which KV column, bench ttft file, which ttft column is the point
+POINTS = [
+    ("plain KV (no map)", f"{RUN}.json", "kv_plain", "ttft-fidelity-fast.json", "plain"),
+    ("fast (default): the map", f"{RUN}.json", "kv", "ttft-fidelity-fast.json", "fast"),
+    ("last 1 fact as text", f"{RUN}-text-facts-1.json", "kv", "ttft-text-facts-1.json", "share"),
+    ("last 2 facts as text", f"{RUN}-text-facts-2.json", "kv", "ttft-text-facts-2.json", "share"),
+    ("best-scored 2 as text", f"{RUN}-text-facts-2-relevant.json", "kv", "ttft-text-facts-2.json", "share"),
+    ("last 4 facts as text", f"{RUN}-text-facts-4.json", "kv", "ttft-text-facts-4.json", "share"),
+    ("recompute 15% first", f"{RUN}-recompute-first-0.15.json", "kv", "ttft-recompute-first-0.15.json", "share"),
+    ("recompute 30% first", f"{RUN}-recompute-first-0.3.json", "kv", "ttft-recompute-first-0.3.json", "share"),
+    ("balanced (15% deviation)", None, "kv", "ttft-fidelity-balanced.json", "share"),
+    ("exact (100%)", EXACT, "kv", "ttft-fidelity-exact.json", "share"),
+]
+
+
+def gain_kept(name: str | None, how: str, k: int = 50) -> float | None:
+    """The share of plain injection's text/kv at k that the point keeps, side by side in its run."""
+    path = RESULTS / name if name else None
+    if path is None or not path.exists():
+        return None
+    row = next(r for r in json.loads(path.read_text())["rows"] if r["k"] == k)
+    if how == "fast":
+        return 1.0
+    if how == "plain":  # without the map, against with it (the map's own cost, inverted)
+        return row["ratio_median_plain"] / row["ratio_median"]
+    return row["ratio_median"] / row["ratio_median_all"]
+
+
+def answers(name: str | None, column: str, floor: float) -> dict | None:
+    path = RESULTS / name if name else None
+    if path is None or not path.exists():
+        return None
+    o = json.loads(path.read_text())["summary"]["overall"]
+    suffix = "" if column == "kv" else "_plain"
+    floor = EXACT_FLOOR if name == EXACT else floor
+    return {"n": o["n"], "f1_retention": o[f"f1_retention_kv{suffix}"], "first_token": o[f"top1_agree{suffix}"][0],
+            "kl": o[f"kl_text_kv{suffix}"][0], "same": o[f"same_answer{suffix}"],
+            "rel": [x / floor for x in o[f"same_answer{suffix}"]]}
+
+
+def table() -> tuple[str, list[tuple[str, float | None, dict | None]]]:
+    floor = json.loads((RESULTS / f"{RUN}.json").read_text())["summary"]["overall"]["same_answer_noise"][0]
+    lines = ["| point | n | F1 retention [95% CI] | first token as text's | KL | same answer | / noise floor | "
+             "TTFT gain kept, k=50 |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for label, eval_file, column, ttft_file, how in POINTS:
+        a, kept = answers(eval_file, column, floor), gain_kept(ttft_file, how)
+        rows.append((label, kept, a))
+        keep = "-" if kept is None else f"{kept:.2f}"
+        if a is None:
+            lines.append(f"| {label} | not measured | | | | | | {keep} |")
+            continue
+        f1 = a["f1_retention"]
+        lines.append(f"| {label} | {a['n']} | {f1[0]:.3f} [{f1[1]:.3f}, {f1[2]:.3f}] | {a['first_token']:.3f} | "
+                     f"{a['kl']:.3f} | {a['same'][0]:.3f} | {a['rel'][0]:.2f} [{a['rel'][1]:.2f}, {a['rel'][2]:.2f}] | "
+                     f"{keep} |")
+    lines.append(f"\nNoise floor (text against its own second pass, same 650 questions): same answer {floor:.3f}.")
+    return "\n".join(lines), rows
+
+
+def plot(rows, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, kept, a in rows:
+        if kept is None or a is None:
+            continue
+        for ax, y in ((left, a["rel"]), (right, a["f1_retention"])):
+            ax.errorbar(kept, y[0], yerr=[[y[0] - y[1]], [y[2] - y[0]]], fmt="o", capsize=3)
+            ax.annotate(label, (kept, y[0]), textcoords="offset points", xytext=(5, 3), fontsize=7)
+    left.axhline(1.0, ls="--", c="grey")
+    left.axhline(0.8, ls=":", c="red")
+    left.set_ylabel("same answer as text / text's own (noise floor)")
+    right.axhline(0.95, ls=":", c="red")
+    right.axhline(1.0, ls="--", c="grey")
+    right.set_ylabel("F1 retention over no memory")
+    for ax in (left, right):
+        ax.axvline(0.6, ls=":", c="red")
+        ax.set_xlim(0, 1.15)
+        ax.set_xlabel("share of plain injection's TTFT gain kept, k=50 (side by side)")
+    fig.suptitle("Fidelity curve, SmolLM2-135M, 650 LoCoMo reporting questions (red: issue 51's targets)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=RESULTS / "fidelity-points.png")
+    args = ap.parse_args()
+    text, rows = table()
+    print(text)
+    plot(rows, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
