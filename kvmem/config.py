@@ -158,7 +158,8 @@ class KVConfig:
       own attention kernel on the CPU backend). Off by default: it costs its share of a prefill
       (docs/benchmarks.md, "Fidelity points").
     recompute_rule: which tokens: "deviation" (CacheBlend: those whose layer-1 keys differ most
-      from fresh ones), "first" or "last" (of each fact).
+      from fresh ones), "progressive" (chosen again at every layer), "global" (one budget across
+      a chat's facts), "first" or "last" (of each fact); kv/recompute.py says how each chooses.
     fidelity: a named point instead of the three above (kv/fidelity.py): "fast" (plain
       injection), "balanced" (15% recomputed, deviation) or "exact" (every fact token recomputed:
       text prefill's arithmetic and compute). None: the three as set. Setting both is an error.

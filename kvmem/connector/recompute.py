@@ -5,8 +5,8 @@ paged cache and before the engine's forward pass (outside CUDA graphs). For the 
 kv/recompute.py chooses, it runs the model's own decoder layers, one after another: their hidden
 states start from the embedding; at each layer their new K/V are written into their paged slots,
 then their queries attend, causally, to every slot of their request up to themselves.
-Only the chosen tokens are carried from layer to layer (CacheBlend's scheme), so the cost is
-their share of a prefill; tokens the engine then computes read the corrected cache.
+Only the chosen tokens are carried from layer to layer (CacheBlend's scheme; rule "progressive"
+narrows them at every layer), so the cost is their share of a prefill; tokens the engine then computes read the corrected cache.
 
 The layers run unchanged: for the duration, each attention layer's `forward` is swapped for one
 that does the write and the attention itself, with metadata of its own: on vLLM's CPU backend
@@ -29,7 +29,8 @@ import torch
 from kvmem.connector.paged import PageLayout
 from kvmem.connector.recompute_attention import (Chosen, EngineKernel, GatheredAttention, engine_kernel_serves,
                                                  group_window)
-from kvmem.kv.recompute import Recompute, key_deviation, positional, top_per_fact
+from kvmem.kv.recompute import (SCORED, Recompute, key_deviation, positional, progressive_count, top_counts,
+                                top_per_fact, top_per_request)
 
 log = logging.getLogger("kvmem.connector")
 
@@ -116,17 +117,19 @@ class Recomputer:
     @torch.no_grad()
     def run(self, rows: Rows, caches: list[torch.Tensor], layout: PageLayout) -> None:
         """Recompute this step's chosen tokens into `caches` (one per layer)."""
-        rule = rows.rec.rule if len(self.layers) > 1 else "first"  # deviation reads layer 1's keys
+        rule = rows.rec.rule if len(self.layers) > 1 else "first"  # the scored rules read layer 1's keys
         every = torch.arange(len(rows.ids), device=rows.ids.device)
         h, residual = self.embed(rows.ids), None  # [N, hidden]
         start = 0
-        if rule == "deviation":  # layer 0 for every candidate, then keep the keys that moved most
+        if rule in SCORED:  # layer 0 for every candidate, then keep the keys that moved most
             h, residual = self._layer(0, self._attention(rows.chosen(every), layout, caches[0].shape),
                                       h, residual, caches)
             fresh = self._probe(1, rows, h, residual)  # [N, H, D]
             injected, _ = layout.gather(caches[1], rows.slots)
-            keep = top_per_fact(key_deviation(fresh, injected).cpu(), rows.lengths, rows.rec).to(h.device)
+            keep = _scored(rule, key_deviation(fresh, injected).cpu(), rows, len(self.layers)).to(h.device)
             h, residual, start = h[keep], residual[keep], 1
+            if rule == "progressive":
+                return self._progressive(rows, keep, h, residual, caches, layout)
         else:
             spans, at = [], 0
             for n in rows.lengths:
@@ -137,6 +140,24 @@ class Recomputer:
         attention = self._attention(rows.chosen(keep), layout, caches[0].shape)
         for i in range(start, len(self.layers)):
             h, residual = self._layer(i, attention, h, residual, caches)
+
+    def _progressive(self, rows: Rows, keep, h, residual, caches, layout: PageLayout) -> None:
+        """Rule "progressive" from layer 1 on: after each layer, of the rows it computed, each
+        fact keeps the `progressive_count` whose keys that layer moved most from the injected."""
+        fact = torch.repeat_interleave(torch.arange(len(rows.lengths)), torch.tensor(rows.lengths))  # [N] (host)
+        layers = len(self.layers)
+        for i in range(1, layers):
+            attention = self._attention(rows.chosen(keep), layout, caches[0].shape)
+            moved: list[torch.Tensor] = []
+            measured = _measuring(attention.forward(self.attention[i], caches[i]), layout, caches[i],
+                                  rows.slots[keep], self.attention[i].num_kv_heads, moved)
+            with _swapped(self.attention[i], measured):
+                h, residual = self.layers[i](attention.positions, h, residual)
+            if i + 1 < layers:
+                held = torch.bincount(fact[keep.cpu()], minlength=len(rows.lengths)).tolist()  # rows per fact
+                counts = [min(c, progressive_count(n, rows.rec, i + 1, layers)) for c, n in zip(held, rows.lengths)]
+                pick = top_counts(moved[0].cpu(), held, counts).to(h.device)
+                keep, h, residual = keep[pick], h[pick], residual[pick]
 
     def _attention(self, chosen: Chosen, layout: PageLayout, shape: torch.Size):
         if self.engine_kernel and all(hasattr(a, "isa") for a in self.attention):  # isa: set by the engine's metadata builder
@@ -160,6 +181,27 @@ class Recomputer:
         with _swapped(self.attention[i], probe):
             self.layers[i](rows.positions, h, residual)
         return seen[0].view(len(rows.ids), self.attention[i].num_kv_heads, -1)
+
+
+def _scored(rule: str, deviation: torch.Tensor, rows: Rows, layers: int) -> torch.Tensor:
+    """deviation [N] (host) of every candidate's layer-1 keys -> the rows [M] computed from layer 1."""
+    if rule == "global":
+        return top_per_request(deviation, [n for _, n in rows.request], rows.rec)
+    if rule == "progressive":
+        return top_counts(deviation, rows.lengths, [progressive_count(n, rows.rec, 1, layers) for n in rows.lengths])
+    return top_per_fact(deviation, rows.lengths, rows.rec)
+
+
+def _measuring(forward, layout: PageLayout, cache: torch.Tensor, slots: torch.Tensor, heads: int,
+               out: list[torch.Tensor]):
+    """A layer's recompute `forward` that first records, per row, how far its fresh keys lie from
+    the injected ones it is about to overwrite (key_deviation, [M])."""
+    def measured(query, key, value, *args, **kwargs):
+        injected, _ = layout.gather(cache, slots)  # [M, H, D], before this layer's write
+        out.append(key_deviation(key.view(len(slots), heads, -1), injected))
+        return forward(query, key, value, *args, **kwargs)
+
+    return measured
 
 
 @contextlib.contextmanager

@@ -6,19 +6,30 @@ CacheBlend does), supplies that cross-fact attention at a fraction of text prefi
 module is the selection half, shared by the lab (tune/blend.py, transformers) and the connector
 (connector/recompute.py, inside vLLM): plain torch, no model.
 
-Every rule selects per fact: each fact recomputes `count(length)` of its own tokens. A token's
-recomputed KV then depends only on the tokens before it (and on the settings), which vLLM's
-block hashes (chained over the prompt) and the chat's cache salt (which names the settings)
-already cover, so a cached block holding recomputed KV can only serve a request that would have
-computed the same KV. A global top-k would make an early fact's KV depend on the facts after it.
+Every rule but "global" selects per fact: each fact recomputes `count(length)` of its own tokens.
+A token's recomputed KV then depends only on the tokens before it (and on the settings), which
+vLLM's block hashes (chained over the prompt) and the chat's cache salt (which names the
+settings) already cover, so a cached block holding recomputed KV can only serve a request that
+would have computed the same KV.
 
 Rules:
 - "deviation" (CacheBlend): every fact token's layer 0 is recomputed; the tokens whose fresh
   layer-1 keys differ most from the injected ones go on through the remaining layers.
+- "progressive" (CacheBlend's gradual filtering): as deviation, but the set is chosen again at
+  every layer from the tokens still computed, by how far that layer's fresh keys moved: 1.5x the
+  fraction's count at layer 1, falling linearly to 0.5x at the last layer, so the layers' mean
+  is the fraction's budget (`progressive_count`).
+- "global": as deviation, with one budget over all of a request's fact tokens (a fact that
+  moved more takes more of it). An early fact's recomputed KV then depends on the facts after
+  it, so a cached block of it may serve a later request whose later facts differ: the KV it
+  finds is a recompute, but of another selection than its own would have been.
 - "first" (EPIC): the first tokens of each fact.
 - "last": the last tokens of each fact, the links a reader crosses from one fact to the next.
 - "oracle": the tokens whose injected KV is farthest from true text prefill's (lab only: needs
   text prefill's KV, the very cost recompute avoids).
+
+For every rule the plan reports `count(length)` per fact as the recomputed tokens: the budget,
+which "global" spreads across facts and "progressive" across layers.
 """
 
 from __future__ import annotations
@@ -30,8 +41,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:  # the settings travel in plans that torch-free commands build: torch only where used
     import torch
 
-RULES = ("deviation", "first", "last", "oracle")
-ENGINE_RULES = ("deviation", "first", "last")  # oracle needs text prefill's KV
+RULES = ("deviation", "progressive", "global", "first", "last", "oracle")
+ENGINE_RULES = ("deviation", "progressive", "global", "first", "last")  # oracle needs text prefill's KV
+SCORED = ("deviation", "progressive", "global")  # rules that read layer 1's key deviation
 
 
 @dataclass(frozen=True)
@@ -87,15 +99,34 @@ def positional(spans: Sequence[tuple[int, int]], rec: Recompute) -> "torch.Tenso
 def top_per_fact(scores: "torch.Tensor", lengths: Sequence[int], rec: Recompute) -> "torch.Tensor":
     """scores [N] over the facts' tokens, fact after fact (lengths sum to N) -> indices into
     them [M] of each fact's `count` highest-scoring tokens, sorted."""
+    return top_counts(scores, lengths, [rec.count(n) for n in lengths])
+
+
+def top_per_request(scores: "torch.Tensor", requests: Sequence[int], rec: Recompute) -> "torch.Tensor":
+    """Rule "global": scores [N] over requests' fact tokens, request after request (`requests`:
+    each one's token count) -> indices [M] of each request's `count(its tokens)` highest, sorted."""
+    return top_counts(scores, requests, [rec.count(n) for n in requests])
+
+
+def progressive_count(length: int, rec: Recompute, layer: int, layers: int) -> int:
+    """Rule "progressive": tokens of a fact of `length` still computed at `layer` (1..layers-1):
+    1.5x the fraction's share at layer 1, 0.5x at the last layer, linear between (mean: the
+    fraction), at least one and at most `length`."""
+    scale = 1.0 if layers <= 2 else 1.5 - (layer - 1) / (layers - 2)
+    return min(length, max(1, math.ceil(rec.fraction * scale * length - 1e-9)))
+
+
+def top_counts(scores: "torch.Tensor", lengths: Sequence[int], counts: Sequence[int]) -> "torch.Tensor":
+    """scores [N] over groups of `lengths` tokens, one group after another -> indices into them
+    [M] of each group's `counts` highest-scoring tokens, sorted."""
     import torch
 
     if sum(lengths) != scores.shape[0]:
-        raise ValueError(f"{scores.shape[0]} scores for facts of {sum(lengths)} tokens")
+        raise ValueError(f"{scores.shape[0]} scores for groups of {sum(lengths)} tokens")
     chosen, at = [], 0
-    for length in lengths:
-        n = rec.count(length)
+    for length, n in zip(lengths, counts):
         if n:
-            chosen.append(at + scores[at : at + length].topk(n).indices)
+            chosen.append(at + scores[at : at + length].topk(min(n, length)).indices)
         at += length
     return torch.cat(chosen).sort().values if chosen else torch.zeros(0, dtype=torch.long)
 

@@ -97,6 +97,8 @@ def blend(model, ex: Example, layers, rec: Recompute, text_layers=None) -> Blend
     m = _Model(model)
     ids = torch.tensor(ex.memory_ids)
     every = torch.cat([torch.arange(s, s + n) for s, n in spans])  # [F] all fact tokens
+    if rec.rule in ("progressive", "global"):
+        raise ValueError(f"the lab does not implement rule {rec.rule!r}: measure it on the engine (kvmem eval locomo)")
     if rec.rule in ("first", "last"):
         chosen = positional(spans, rec)
     elif rec.rule == "oracle":

@@ -91,7 +91,7 @@ def test_recomputing_every_fact_token_matches_text_prefill(mem, facts, served):
         assert full.token_ids == text.token_ids
 
 
-@pytest.mark.parametrize("rule", ["deviation", "first", "last"])
+@pytest.mark.parametrize("rule", ["deviation", "progressive", "global", "first", "last"])
 def test_a_partial_recompute_counts_per_fact(mem, facts, rule):
     rec = Recompute(0.15, rule)
     text = mem.chat(Q, user_id="recompute", fact_ids=facts, mode="text", max_tokens=4)
@@ -100,6 +100,17 @@ def test_a_partial_recompute_counts_per_fact(mem, facts, rule):
     assert out.fallbacks == 0 and out.answer
     # A recompute that failed would leave vLLM to prefill the blocks as text: it must not read as text.
     assert logprob_gap(text.first_logprobs, out.first_logprobs) > 0.25
+
+
+@pytest.mark.parametrize("rule", ["deviation", "global"])
+def test_a_scored_rule_at_100_percent_is_the_full_recompute_bit_for_bit(mem, facts, rule):
+    """At fraction 1 a scored rule keeps every token after its layer-1 probe, so it must compute
+    what "first" at 1 computes, through the same kernel calls: equal on any host, noise or not."""
+    ask = dict(user_id="recompute", fact_ids=facts, mode="kv", max_tokens=6)
+    full = mem.chat(Q, recompute=Recompute(1.0, "first"), **ask)
+    scored = mem.chat(Q, recompute=Recompute(1.0, rule), **ask)
+    assert scored.cached_tokens == 0  # its own salt: computed, not served from the other's blocks
+    assert scored.token_ids == full.token_ids and scored.first_logprobs == full.first_logprobs
 
 
 def test_recompute_off_is_plain_injection_bit_for_bit(mem, facts):
