@@ -247,9 +247,7 @@ class Chats:
         sampling = args.sampling
         if args.tools is not None and args.tools.forced:  # as vLLM's server: the calls' schema replaces response_format
             sampling = replace(sampling, json_schema=args.tools.schema(), json_object=False, schema_from="tools")
-        # Recomputed KV differs from plain injection's: cached blocks are shared only at equal settings.
-        purpose = f"kv:{rec.tag}" if args.mode == "kv" and rec.on else args.mode
-        request = EngineRequest(prompt.token_ids, salt(purpose, args.user_id), args.max_tokens, plan,
+        request = EngineRequest(prompt.token_ids, salt(_purpose(args.mode, text_facts, rec), args.user_id), args.max_tokens, plan,
                                 args.logprobs, reader=args.mode == "kv", route=args.user_id, sampling=sampling)
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return Prepared(facts, request, retrieval_s, scores, tuple(map(len, tokens)), clip(question),
@@ -379,3 +377,13 @@ def kv_first(facts: list[FactRecord]) -> list[FactRecord]:
     """Facts with a blob first, each part in the order given: the engine can only be handed a
     prefix of the prompt, so a fact served as text ends injection for every fact after it."""
     return sorted(facts, key=lambda f: f.kv_status != "encoded")
+
+
+def _purpose(mode: str, text_facts: int, rec: Recompute) -> str:
+    """What a chat's cache salt names besides its user. Facts prefilled as text and recomputed
+    tokens hold other KV than plain injection's over the very same prompt tokens, so cached
+    blocks are shared only at equal settings (a chat asking for text facts once reused a plain
+    chat's blocks of them: plain KV where text was asked for)."""
+    if mode != "kv":
+        return mode
+    return "kv" + (f":text-facts-{text_facts}" if text_facts else "") + (f":{rec.tag}" if rec.on else "")

@@ -27,6 +27,9 @@ def add_parsers(sub) -> argparse._SubParsersAction:
     t.add_argument("--profile", action="store_true",
                    help="also print where KV mode's time goes per k: connector stages inside the engine, "
                         "retrieval and prompt assembly before it")
+    t.add_argument("--points", type=_points, default=(),
+                   help="comma-separated fidelity points timed in the same repetitions, beside plain injection: "
+                        "fast, balanced, exact, text-facts-N, or <rule>-<fraction> (e.g. first-0.15)")
     recompute_options(t)
     data_options(t, "ttft", synthetic=True)
     t.set_defaults(func=cmd_ttft)
@@ -244,7 +247,8 @@ def cmd_ttft(args, config) -> int:
 
     data, out = bench_data(args, "ttft")
     with _open(config) as mem:
-        result = ttft.run(mem, data=data, ks=args.ks, reps=args.reps, seed=args.seed, profile=args.profile)
+        result = ttft.run(mem, data=data, ks=args.ks, reps=args.reps, seed=args.seed, profile=args.profile,
+                          points=args.points)
     print(ttft.report(result, out))
     return 0
 
@@ -401,6 +405,17 @@ def _codec_list(text: str) -> tuple[str, ...]:
         if codec not in CODECS:
             raise argparse.ArgumentTypeError(f"unknown KV codec {codec!r}; choose from {', '.join(CODECS)}")
     return codecs
+
+
+def _points(value: str) -> tuple[str, ...]:
+    from kvmem.bench.ttft import _points as check
+
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    try:
+        check(names)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return names
 
 
 def recompute_options(p) -> None:

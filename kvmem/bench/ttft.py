@@ -24,15 +24,20 @@ from kvmem.bench import locomo
 from kvmem.bench.metrics import median_ratio_ci
 from kvmem.bench.report import plot_lines, summary, write_json
 from kvmem.connector.profile import SCHEDULER_STAGES, WORKER_STAGES
+from kvmem.kv import fidelity
 from kvmem.kv.recompute import Recompute
 
 USER = "bench-ttft"
 DEFAULT_KS = (0, 5, 10, 25, 50, 100)
 
 
-def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: int = 0, profile: bool = False) -> dict:
+def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: int = 0, profile: bool = False,
+        points: tuple[str, ...] = ()) -> dict:
     """`data`: a LoCoMo(-shaped) file; None reads the synthetic tuning set kvmem ships.
-    profile: per k, also where KV mode's time goes (`profile_k`), after the timed repetitions."""
+    profile: per k, also where KV mode's time goes (`profile_k`), after the timed repetitions.
+    points: fidelity points (kv/fidelity.py `parse`) timed in the same repetitions, beside plain
+    injection of every fact: each one's share of its TTFT gain, side by side in one run."""
+    chosen_points = _points(points)
     path, which = locomo.bench_data(data)
     convs = locomo.load(path)
     # Distinct texts (the synthetic set repeats a few): a sample of k ids is k different facts.
@@ -50,9 +55,12 @@ def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: in
     # fact tokens, and "kv_all" injects every fact plainly: their cost.
     plain = Recompute(0.0)
     others += ("kv_all",) if mem.config.kv.text_facts_setting or mem.config.kv.recompute_setting.on else ()
+    others += tuple(chosen_points)
+    reference = "kv_all" if "kv_all" in others else "kv"  # plain injection of every fact, this run
     rows = []
     for k in tqdm(ks, desc="bench ttft", unit="k"):
         times = {m: [] for m in ("text", "kv", *others, "cached", "facts_hit")}
+        served = {}  # per point: the last chat's injected and recomputed tokens (what the point did)
         tokens = 0
         for rep in range(reps):
             chosen = rng.sample(ids, k)
@@ -60,11 +68,14 @@ def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: in
             first = ("text", "kv", *others) if rep % 2 == 0 else (*others[::-1], "kv", "text")
             for mode in (*first, "cached", "facts_hit"):
                 q = questions[(at + (mode == "facts_hit")) % len(questions)]
-                r = mem.chat(q, user_id=USER, fact_ids=chosen, mode="kv" if mode.startswith("kv") else "text",
-                             max_tokens=1, logprobs=None, reader=mode != "kv_plain",
-                             text_facts=0 if mode == "kv_all" else None,
-                             recompute=plain if mode == "kv_all" else None)
+                at_point = chosen_points.get(mode)
+                r = mem.chat(q, user_id=USER, fact_ids=chosen, mode="text" if mode in ("text", "cached", "facts_hit")
+                             else "kv", max_tokens=1, logprobs=None, reader=mode != "kv_plain",
+                             text_facts=0 if mode == "kv_all" else at_point.text_facts if at_point else None,
+                             recompute=plain if mode == "kv_all" else at_point.recompute if at_point else None)
                 times[mode].append(r.ttft_s)
+                if at_point:
+                    served[mode] = {"injected_tokens": r.injected_tokens, "recomputed_tokens": r.recomputed_tokens}
                 tokens = r.prompt_tokens
         stats = {m: summary(t) for m, t in times.items()}
         text, kv, cached, hit = (stats[m] for m in ("text", "kv", "cached", "facts_hit"))
@@ -77,6 +88,11 @@ def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: in
         if "kv_all" in stats:  # text/kv with the last facts as text, as a share of text/kv injecting all
             row["ratio_median_all"] = text["median"] / stats["kv_all"]["median"]
             row["text_facts_ratio_share"] = row["ratio_median"] / row["ratio_median_all"]
+        if chosen_points:  # each point's text/kv as a share of plain injection's, same repetitions
+            row["points"] = {mode[3:]: {**stats[mode], **served[mode], "ratio": text["median"] / stats[mode]["median"],
+                                        "share": stats[reference]["median"] / stats[mode]["median"]}
+                             for mode in chosen_points}
+            row["points_reference"] = reference
         if profile:
             row["profile"] = profile_k(mem, ids, questions, k, reps, rng)
         rows.append(row)
@@ -110,6 +126,21 @@ def profile_k(mem, ids: list[str], questions: list[str], k: int, reps: int, rng:
 
 _LABELS = {"text": "text prefill", "kv": "KV injection", "cached": "prefix-cache hit, same prompt",
            "facts_hit": "prefix-cache hit of the facts, new question (engine floor)"}
+
+
+def _points(names: tuple[str, ...]) -> dict:
+    """Mode name -> Fidelity of each point. Every timed mode must have a cache salt of its own, or
+    one would be served another's blocks from the prefix cache in the same repetition: so no
+    point may be plain injection (timed already as kv) or repeat another."""
+    chosen: dict = {}
+    for name in names:
+        point = fidelity.parse(name)
+        if not point.text_facts and not point.recompute.on:
+            raise ValueError(f"point {name!r} is plain injection, which bench ttft times anyway")
+        if point in chosen.values():
+            raise ValueError(f"point {name!r} repeats another point of --points")
+        chosen[f"at:{name}"] = point
+    return chosen
 
 
 def add_intervals(result: dict) -> dict:
@@ -153,7 +184,9 @@ def report(result: dict, out: Path) -> str:
                      "| k | kv without adapter median (p90) ms | text/kv without | text/kv with / without |\n|---|---|---|---|")
         lines += [f"| {r['k']} | {ms(r['kv_plain'])} | {r['ratio_median_plain']:.2f}x | {r['adapter_ratio_share']:.2f} |"
                   for r in result["rows"]]
-    if any("kv_all" in r for r in result["rows"]):
+    if any("points" in r for r in result["rows"]):
+        lines += ["", *points_table(result["rows"])]
+    elif any("kv_all" in r for r in result["rows"]):
         what = (f"prefills its last {result['text_facts']} facts as text (kv.text_facts)" if result.get("text_facts")
                 else f"recomputes fact tokens ({result.get('recompute')}, kv.recompute)")
         lines.append(f"\nkv above {what}; injecting every fact plainly instead, same run:\n\n"
@@ -161,6 +194,19 @@ def report(result: dict, out: Path) -> str:
         lines += [f"| {r['k']} | {ms(r['kv_all'])} | {r['ratio_median_all']:.2f}x | {r['text_facts_ratio_share']:.2f} |"
                   for r in result["rows"]]
     return "\n".join(lines)
+
+
+def points_table(rows: list[dict]) -> list[str]:
+    """Each fidelity point's TTFT beside plain injection of every fact, timed in the same repetitions."""
+    lines = ["Fidelity points (`--points`), timed in the same repetitions as plain injection of every fact:", "",
+             "| k | point | median (p90) ms | text/kv | share of plain injection's text/kv kept |", "|---|---|---|---|---|"]
+    for r in rows:
+        plain = r[r["points_reference"]]
+        lines.append(f"| {r['k']} | plain injection | {plain['median'] * 1e3:.1f} ({plain['p90'] * 1e3:.1f}) | "
+                     f"{r['text']['median'] / plain['median']:.2f}x | 1 |")
+        lines += [f"| {r['k']} | {name} | {p['median'] * 1e3:.1f} ({p['p90'] * 1e3:.1f}) | {p['ratio']:.2f}x | "
+                  f"{p['share']:.2f} |" for name, p in r["points"].items()]
+    return lines
 
 
 def profile_table(rows: list[dict]) -> list[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmem.kv.recompute import Recompute
+from kvmem.kv.recompute import ENGINE_RULES, Recompute
 
 
 @dataclass(frozen=True)
@@ -39,3 +39,20 @@ def point(name: str) -> Fidelity:
     if not isinstance(name, str) or name not in POINTS:
         raise ValueError(f"fidelity must be one of {tuple(POINTS)}, got {name!r}")
     return POINTS[name]
+
+
+def parse(spec: str) -> Fidelity:
+    """A point by name (`POINTS`), "text-facts-N" (the last N facts prefilled as text) or a
+    recompute setting as its tag, "<rule>-<fraction>" (e.g. "first-0.15"); ValueError else."""
+    if spec in POINTS:
+        return POINTS[spec]
+    if spec.startswith("text-facts-") and spec[len("text-facts-"):].isdigit():
+        return Fidelity(Recompute(0.0), int(spec[len("text-facts-"):]))
+    rule, _, fraction = spec.rpartition("-")
+    if rule in ENGINE_RULES:
+        try:
+            return Fidelity(Recompute(float(fraction), rule))
+        except ValueError:
+            pass
+    raise ValueError(f"a fidelity point is one of {tuple(POINTS)}, text-facts-N or <rule>-<fraction> with a rule "
+                     f"of {ENGINE_RULES} (e.g. first-0.15), got {spec!r}")

@@ -54,6 +54,24 @@ def test_ttft_bench_times_kv_with_its_last_facts_as_text_beside_all_injected(mem
     assert "last 1 facts as text" in text and "| 5 |" in text.split("all injected")[-1]
 
 
+def test_ttft_bench_times_fidelity_points_in_the_same_repetitions(mem, tmp_path, locomo_path):
+    # seed 1: orders no earlier test of this module chatted (its text-facts blocks would be cached)
+    result = ttft.run(mem, data=locomo_path, ks=(5,), reps=2, seed=1, points=("text-facts-1", "first-0.5"))
+    text = ttft.report(result, tmp_path / "ttft")
+    (row,) = result["rows"]
+    facts_as_text, recomputed = row["points"]["text-facts-1"], row["points"]["first-0.5"]
+    assert facts_as_text["n"] == recomputed["n"] == row["kv"]["n"] == 2
+    assert row["points_reference"] == "kv" and "kv_all" not in row  # the config injects plainly: kv is the reference
+    assert recomputed["share"] == row["kv"]["median"] / recomputed["median"]
+    # each point did what it names: one fact fewer injected, half of each fact recomputed
+    assert 0 < facts_as_text["injected_tokens"] < recomputed["injected_tokens"]
+    assert facts_as_text["recomputed_tokens"] == 0 < recomputed["recomputed_tokens"] < recomputed["injected_tokens"]
+    assert "| 5 | first-0.5 |" in text and "| 5 | plain injection |" in text
+    for bad in (("fast",), ("balanced", "deviation-0.15")):  # plain again, or one salt twice
+        with pytest.raises(ValueError, match="plain injection|repeats"):
+            ttft.run(mem, data=locomo_path, ks=(5,), points=bad)
+
+
 def test_load_bench_tiny(mem, tmp_path, locomo_path):
     result = load.run(mem, data=locomo_path, levels=(1, 2), k=5, requests=1, max_tokens=4)
     load.report(result, tmp_path / "load")

@@ -186,3 +186,19 @@ def test_kv_mode_prefills_its_last_facts_as_text_when_configured(mem, monkeypatc
     assert gaps[3] <= 2 * noise + 0.05 < gaps[0]
     with pytest.raises(InvalidInputError, match="text_facts"):
         mem.chat(q, user_id="text-facts-3", fact_ids=ids, mode="kv", max_tokens=1, text_facts=-1)
+
+
+def test_facts_as_text_never_reuse_a_plain_chats_blocks(mem):
+    """Over the same prompt tokens, a chat with its last fact prefilled as text holds other KV
+    for it than plain injection: the prefix cache must not hand one's blocks to the other."""
+    ids = list(mem.add(facts=FACTS[:4], user_id="text-facts-salt").ids)
+    ask = dict(user_id="text-facts-salt", fact_ids=ids, mode="kv", max_tokens=1)
+    mem.engine.reset_prefix_cache()
+    assert mem.chat("What is the name of my cat?", **ask).cached_tokens == 0
+    for n in (1, 2, 0):
+        first = mem.chat("Where do I live?", text_facts=n, **ask)
+        if n:  # the opening plain chat cached these facts' blocks: not served to a text-facts chat
+            assert first.cached_tokens == 0, n
+        else:  # plain shares the opening plain chat's blocks
+            assert first.cached_tokens > 0
+        assert mem.chat("Where do I live?", text_facts=n, **ask).cached_tokens > 0, n  # equal settings share
