@@ -130,6 +130,33 @@ class Placement:
         return k.to(dtype), v.to(dtype)
 
 
+    def all_layers(self, key: torch.Tensor, value: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's staged key, value [L, N, H, D] at once -> as the caches take them, in
+        `dtype`: what `layer` gives for each layer, with one op per pass over all layers where
+        `layer` makes one per layer (on the CPU backend those ~90 small ops were a quarter of the
+        placement at k=50: scripts/placement_passes.py). The inputs are only read."""
+        if not self.moves and not self.mapped:
+            return key.to(dtype), value.to(dtype)
+        k = key.to(torch.float32, copy=True)  # [L, N, H, D]
+        rot = self.rotator.per_layer
+        (run, rows), = self.moves if len(self.moves) == 1 else ((None, None),)
+        if run == slice(0, k.shape[1]) and all(r is rot[0] for r in rot):  # every row moves, one rotary embedding
+            rot[0].apply_rows(k, rows[0])  # one kernel call: layers act as extra tokens
+        else:
+            for i in range(len(rot)):
+                for run, rows in self.moves:
+                    rot[i].apply_rows(k[i, run][None], rows[i])
+        if not self.mapped:
+            return k.to(dtype), value.to(dtype)
+        v = value.to(torch.float32, copy=True)
+        for i in range(len(rot)):
+            for run in self.mapped:
+                self.kv_map.keys_(k[i, run], i)
+                self.kv_map.values_(v[i, run], i)
+        return k.to(dtype), v.to(dtype)
+
+
 def _runs(rows: torch.Tensor) -> tuple[slice, ...]:
     """rows [N] bool -> its runs of consecutive True rows, as slices."""
     edge = torch.nn.functional.pad(rows.to(torch.int8), (1, 1)).diff()  # [N + 1]: +1 a run starts, -1 it ends

@@ -156,7 +156,17 @@ class WorkerSide:
         dev = self.device
         slots = staged.slots.to(dev, non_blocking=True)
         place = Placement.of(staged.src, staged.dst, staged.mapped, self.rotator, self._key_map, dev)
-        for i, (name, cache) in enumerate(self._caches):
+        if dev.type == "cpu":  # staged on the device, no copy to overlap: each pass once over every layer
+            with self.watch.stage("placement"):
+                keys, values = place.all_layers(decode_parts(staged.key_codec, staged.key),
+                                                decode_parts(staged.value_codec, staged.value), self._caches[0][1].dtype)
+            for i, (name, cache) in enumerate(self._caches):
+                layer = self._layers[name]
+                with self.watch.stage("scatter"):
+                    layer.impl.do_kv_cache_update(layer, keys[i], values[i], cache, slots)
+                self._layer_events[name] = self._stream.record()
+            return
+        for i, (name, cache) in enumerate(self._caches):  # CUDA: layer i's copy overlaps layer i-1's compute
             with self.watch.stage("placement"):
                 key = _decode_layer(staged.key_codec, staged.key, i, dev)  # [N, H, D]
                 value = _decode_layer(staged.value_codec, staged.value, i, dev)

@@ -100,6 +100,27 @@ def test_each_layer_matches_the_token_by_token_reference(rotators):
     assert torch.equal(key, before[0]) and torch.equal(value, before[1])  # the staging buffer is only read
 
 
+@pytest.mark.parametrize("step", ["heads stay, two rotary bases, mapped", "every row moves, one rotary base",
+                                  "nothing moves"])
+def test_all_layers_at_once_is_each_layer_bit_for_bit(rotators, step):
+    """The CPU path (one op per pass over every layer) against `layer`, layer by layer."""
+    key, value, src, dst, mapped = staged_step()
+    kv_map = DeviceKVMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu"))
+    if step == "every row moves, one rotary base":
+        rotators, src, mapped, kv_map = LayerRotators.uniform(rotators.per_layer[0], LAYERS), dst + 100, None, None
+    if step == "nothing moves":
+        src, mapped, kv_map = dst, None, None
+    keys = torch.stack([key * (i + 1) for i in range(LAYERS)])  # [L, N, H, D]: each layer its own
+    values = torch.stack([value - i for i in range(LAYERS)])
+    place = Placement.of(src, dst, mapped, rotators, kv_map, torch.device("cpu"))
+    before = keys.clone(), values.clone()
+    got_k, got_v = place.all_layers(keys, values, torch.bfloat16)
+    for i in range(LAYERS):
+        want_k, want_v = place.layer(i, keys[i], values[i], torch.bfloat16)
+        assert torch.equal(got_k[i], want_k) and torch.equal(got_v[i], want_v), (step, i)
+    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])  # the staging buffer is only read
+
+
 def test_a_step_where_nothing_moves_or_is_mapped_is_a_cast(rotators):
     key, value, _, dst, mapped = staged_step()
     for kv_map in (None, DeviceKVMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu"))):
