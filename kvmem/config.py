@@ -161,7 +161,7 @@ class KVConfig:
       from fresh ones), "progressive" (chosen again at every layer), "global" (one budget across
       a chat's facts), "first" or "last" (of each fact); kv/recompute.py says how each chooses.
     fidelity: a named point instead of the three above (kv/fidelity.py): "fast" (plain
-      injection), "balanced" (15% recomputed, deviation) or "exact" (every fact token recomputed:
+      injection), "balanced" (the last 4 facts prefilled as text) or "exact" (every fact token recomputed:
       text prefill's arithmetic and compute). None: the three as set. Setting both is an error.
     """
 

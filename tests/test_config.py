@@ -61,7 +61,8 @@ def test_kv_fidelity_names_a_point_that_sets_recompute_and_text_facts(monkeypatc
     monkeypatch.setenv("KVMEM_KV_FIDELITY", "exact")
     exact = Config.from_env().kv
     assert exact.recompute_setting == Recompute(1.0, "first") == POINTS["exact"].recompute
-    assert KVConfig(fidelity="balanced").recompute_setting == Recompute(0.15, "deviation")
+    assert KVConfig(fidelity="balanced").recompute_setting.on is False
+    assert KVConfig(fidelity="balanced").text_facts_setting == 4
     assert KVConfig(fidelity="fast").recompute_setting.on is False
     with pytest.raises(ValueError, match="fidelity must be one of"):
         KVConfig(fidelity="best")
