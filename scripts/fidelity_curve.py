@@ -9,9 +9,10 @@ first run (text mode's second pass over the same 650 questions, another batch co
 every point is divided by that one floor. "exact" ran on 255 of those questions; its floor is
 the same run's on those 255 (docs/benchmarks.md, "Answers at n = 650").
 
-TTFT: each point's `kvmem bench ttft` (k=50, 5 repetitions) times it beside plain injection of
-every fact in the same run, alternating, so "gain kept" is (text/kv at the point) / (text/kv with
-every fact injected), side by side. Points whose file is missing are listed as not measured.
+TTFT: one `kvmem bench ttft --points ...` run (k=50, 5 repetitions) times every point in the same
+repetitions as plain injection of every fact, so "gain kept" is (text/kv at the point) / (text/kv
+with every fact injected), side by side (ttft-fidelity-curve.json). Points whose file is missing
+are listed as not measured.
 """
 
 from __future__ import annotations
@@ -25,32 +26,37 @@ RUN = "locomo-observations-w0-k10-conv-42+conv-43+conv-44+conv-47"
 EXACT = "locomo-observations-w0-k10-limit85-conv-42+conv-43+conv-44-recompute-first-1.json"
 EXACT_FLOOR = 0.753  # text vs its second pass on the exact run's 255 questions (benchmarks.md)
 
-# label, eval file, which KV column, bench ttft file, which ttft column is the point
+TTFT = "ttft-fidelity-curve.json"  # one bench ttft --points run: every point in the same repetitions
+
+# label, eval file, which KV column, the point's name in the TTFT run ("plain"/"fast": its own columns)
 POINTS = [
-    ("plain KV (no map)", f"{RUN}.json", "kv_plain", "ttft-fidelity-fast.json", "plain"),
-    ("fast (default): the map", f"{RUN}.json", "kv", "ttft-fidelity-fast.json", "fast"),
-    ("last 1 fact as text", f"{RUN}-text-facts-1.json", "kv", "ttft-text-facts-1.json", "share"),
-    ("last 2 facts as text", f"{RUN}-text-facts-2.json", "kv", "ttft-text-facts-2.json", "share"),
-    ("best-scored 2 as text", f"{RUN}-text-facts-2-relevant.json", "kv", "ttft-text-facts-2.json", "share"),
-    ("last 4 facts as text", f"{RUN}-text-facts-4.json", "kv", "ttft-text-facts-4.json", "share"),
-    ("recompute 15% first", f"{RUN}-recompute-first-0.15.json", "kv", "ttft-recompute-first-0.15.json", "share"),
-    ("recompute 30% first", f"{RUN}-recompute-first-0.3.json", "kv", "ttft-recompute-first-0.3.json", "share"),
-    ("balanced (15% deviation)", None, "kv", "ttft-fidelity-balanced.json", "share"),
-    ("exact (100%)", EXACT, "kv", "ttft-fidelity-exact.json", "share"),
+    ("plain KV (no map)", f"{RUN}.json", "kv_plain", "plain"),
+    ("fast (default): the map", f"{RUN}.json", "kv", "fast"),
+    ("last 1 fact as text", f"{RUN}-text-facts-1.json", "kv", "text-facts-1"),
+    ("last 2 facts as text", f"{RUN}-text-facts-2.json", "kv", "text-facts-2"),
+    ("best-scored 2 as text", f"{RUN}-text-facts-2-relevant.json", "kv", "text-facts-2"),
+    ("balanced: last 4 facts as text", f"{RUN}-text-facts-4.json", "kv", "text-facts-4"),
+    ("recompute 15% first", f"{RUN}-recompute-first-0.15.json", "kv", "first-0.15"),
+    ("recompute 30% first", None, "kv", "first-0.3"),
+    ("recompute 15% deviation (CacheBlend)", None, "kv", "deviation-0.15"),
+    ("recompute 15% progressive", None, "kv", "progressive-0.15"),
+    ("recompute 15% global", None, "kv", "global-0.15"),
+    ("exact (100%)", EXACT, "kv", "exact"),
 ]
 
 
-def gain_kept(name: str | None, how: str, k: int = 50) -> float | None:
-    """The share of plain injection's text/kv at k that the point keeps, side by side in its run."""
-    path = RESULTS / name if name else None
-    if path is None or not path.exists():
+def gain_kept(point: str, k: int = 50) -> float | None:
+    """The share of plain injection's text/kv at k that the point keeps, in the same repetitions."""
+    path = RESULTS / TTFT
+    if not path.exists():
         return None
     row = next(r for r in json.loads(path.read_text())["rows"] if r["k"] == k)
-    if how == "fast":
+    if point == "fast":
         return 1.0
-    if how == "plain":  # without the map, against with it (the map's own cost, inverted)
-        return row["ratio_median_plain"] / row["ratio_median"]
-    return row["ratio_median"] / row["ratio_median_all"]
+    if point == "plain":  # without the map, against with it (the map's own cost, inverted)
+        return row["kv"]["median"] / row["kv_plain"]["median"]
+    found = row.get("points", {}).get(point)
+    return None if found is None else found["share"]
 
 
 def answers(name: str | None, column: str, floor: float) -> dict | None:
@@ -70,8 +76,8 @@ def table() -> tuple[str, list[tuple[str, float | None, dict | None]]]:
     lines = ["| point | n | F1 retention [95% CI] | first token as text's | KL | same answer | / noise floor | "
              "TTFT gain kept, k=50 |", "|---|---|---|---|---|---|---|---|"]
     rows = []
-    for label, eval_file, column, ttft_file, how in POINTS:
-        a, kept = answers(eval_file, column, floor), gain_kept(ttft_file, how)
+    for label, eval_file, column, point in POINTS:
+        a, kept = answers(eval_file, column, floor), gain_kept(point)
         rows.append((label, kept, a))
         keep = "-" if kept is None else f"{kept:.2f}"
         if a is None:
@@ -119,7 +125,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "fidelity-points.png")
     args = ap.parse_args()
     text, rows = table()
-    print(text)
+    print(text, flush=True)
     plot(rows, args.out)
     print(f"wrote {args.out}")
 
