@@ -53,46 +53,13 @@ def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: in
     others = ("kv_plain",) if mem.engine.reader_adapter else ()
     # With kv.text_facts or kv.recompute, "kv" prefills its last facts as text or recomputes some
     # fact tokens, and "kv_all" injects every fact plainly: their cost.
-    plain = Recompute(0.0)
     others += ("kv_all",) if mem.config.kv.text_facts_setting or mem.config.kv.recompute_setting.on else ()
     others += tuple(chosen_points)
     reference = "kv_all" if "kv_all" in others else "kv"  # plain injection of every fact, this run
     rows = []
     for k in tqdm(ks, desc="bench ttft", unit="k"):
-        times = {m: [] for m in ("text", "kv", *others, "cached", "facts_hit")}
-        served = {}  # per point: the last chat's injected and recomputed tokens (what the point did)
-        tokens = 0
-        for rep in range(reps):
-            chosen = rng.sample(ids, k)
-            at = rng.randrange(len(questions))
-            first = ("text", "kv", *others) if rep % 2 == 0 else (*others[::-1], "kv", "text")
-            for mode in (*first, "cached", "facts_hit"):
-                q = questions[(at + (mode == "facts_hit")) % len(questions)]
-                at_point = chosen_points.get(mode)
-                r = mem.chat(q, user_id=USER, fact_ids=chosen, mode="text" if mode in ("text", "cached", "facts_hit")
-                             else "kv", max_tokens=1, logprobs=None, reader=mode != "kv_plain",
-                             text_facts=0 if mode == "kv_all" else at_point.text_facts if at_point else None,
-                             recompute=plain if mode == "kv_all" else at_point.recompute if at_point else None)
-                times[mode].append(r.ttft_s)
-                if at_point:
-                    served[mode] = {"injected_tokens": r.injected_tokens, "recomputed_tokens": r.recomputed_tokens}
-                tokens = r.prompt_tokens
-        stats = {m: summary(t) for m, t in times.items()}
-        text, kv, cached, hit = (stats[m] for m in ("text", "kv", "cached", "facts_hit"))
-        row = {"k": k, "prompt_tokens": tokens, **stats, "ratio_median": text["median"] / kv["median"],
-               "kv_over_cached": kv["median"] / cached["median"],
-               "kv_over_facts_hit": kv["median"] / hit["median"], "raw": times}
-        if "kv_plain" in stats:  # text/kv with the adapter as a share of text/kv without it (target >= 0.9)
-            row["ratio_median_plain"] = text["median"] / stats["kv_plain"]["median"]
-            row["adapter_ratio_share"] = row["ratio_median"] / row["ratio_median_plain"]
-        if "kv_all" in stats:  # text/kv with the last facts as text, as a share of text/kv injecting all
-            row["ratio_median_all"] = text["median"] / stats["kv_all"]["median"]
-            row["text_facts_ratio_share"] = row["ratio_median"] / row["ratio_median_all"]
-        if chosen_points:  # each point's text/kv as a share of plain injection's, same repetitions
-            row["points"] = {mode[3:]: {**stats[mode], **served[mode], "ratio": text["median"] / stats[mode]["median"],
-                                        "share": stats[reference]["median"] / stats[mode]["median"]}
-                             for mode in chosen_points}
-            row["points_reference"] = reference
+        times, served, tokens = _time_k(mem, ids, questions, k, reps, rng, others, chosen_points)
+        row = _row(k, tokens, times, served, reference)
         if profile:
             row["profile"] = profile_k(mem, ids, questions, k, reps, rng)
         rows.append(row)
@@ -103,6 +70,52 @@ def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: in
             "recompute": mem.config.kv.recompute_setting.tag, "facts_pool": len(ids), "reps": reps, "seed": seed, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "encode_seconds": added.encode.seconds if added.encode else None, "rows": rows,
             "kv_growth_max_k_over_k0": growth.get("kv"), "cached_growth_max_k_over_k0": growth.get("cached")}
+
+
+def _time_k(mem, ids: list[str], questions: list[str], k: int, reps: int, rng: random.Random,
+            others: tuple[str, ...], points: dict) -> tuple[dict, dict, int]:
+    """`reps` repetitions at k, each mode once per repetition on the same facts (the order of
+    the modes alternating) -> seconds per mode, what each point's last chat did, prompt tokens."""
+    times = {m: [] for m in ("text", "kv", *others, "cached", "facts_hit")}
+    served = {}  # per point: the last chat's injected and recomputed tokens (what the point did)
+    plain, tokens = Recompute(0.0), 0
+    for rep in range(reps):
+        chosen = rng.sample(ids, k)
+        at = rng.randrange(len(questions))
+        first = ("text", "kv", *others) if rep % 2 == 0 else (*others[::-1], "kv", "text")
+        for mode in (*first, "cached", "facts_hit"):
+            q = questions[(at + (mode == "facts_hit")) % len(questions)]
+            point = points.get(mode)
+            r = mem.chat(q, user_id=USER, fact_ids=chosen, mode="text" if mode in ("text", "cached", "facts_hit")
+                         else "kv", max_tokens=1, logprobs=None, reader=mode != "kv_plain",
+                         text_facts=0 if mode == "kv_all" else point.text_facts if point else None,
+                         recompute=plain if mode == "kv_all" else point.recompute if point else None)
+            times[mode].append(r.ttft_s)
+            if point:
+                served[mode] = {"injected_tokens": r.injected_tokens, "recomputed_tokens": r.recomputed_tokens}
+            tokens = r.prompt_tokens
+    return times, served, tokens
+
+
+def _row(k: int, tokens: int, times: dict, served: dict, reference: str) -> dict:
+    """One k's medians and ratios; `served` names the points ("at:<name>") timed beside `reference`."""
+    stats = {m: summary(t) for m, t in times.items()}
+    text, kv, cached, hit = (stats[m] for m in ("text", "kv", "cached", "facts_hit"))
+    row = {"k": k, "prompt_tokens": tokens, **stats, "ratio_median": text["median"] / kv["median"],
+           "kv_over_cached": kv["median"] / cached["median"],
+           "kv_over_facts_hit": kv["median"] / hit["median"], "raw": times}
+    if "kv_plain" in stats:  # text/kv with the adapter as a share of text/kv without it (target >= 0.9)
+        row["ratio_median_plain"] = text["median"] / stats["kv_plain"]["median"]
+        row["adapter_ratio_share"] = row["ratio_median"] / row["ratio_median_plain"]
+    if "kv_all" in stats:  # text/kv with the last facts as text, as a share of text/kv injecting all
+        row["ratio_median_all"] = text["median"] / stats["kv_all"]["median"]
+        row["text_facts_ratio_share"] = row["ratio_median"] / row["ratio_median_all"]
+    if served:  # each point's text/kv as a share of plain injection's, same repetitions
+        row["points"] = {mode[3:]: {**stats[mode], **done, "ratio": text["median"] / stats[mode]["median"],
+                                    "share": stats[reference]["median"] / stats[mode]["median"]}
+                         for mode, done in served.items()}
+        row["points_reference"] = reference
+    return row
 
 
 def profile_k(mem, ids: list[str], questions: list[str], k: int, reps: int, rng: random.Random) -> dict:
