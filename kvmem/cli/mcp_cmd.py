@@ -51,7 +51,6 @@ def cmd_mcp(args: argparse.Namespace, config: Config) -> int:
         return 2
     with _stdout_to_stderr():
         mem = KVMem(config, start_engine=args.engine, background=args.engine)
-        mem.warm_up()  # before the client's first tool call, not during it
     with mem:
         run_stdio(mem, caller, encode="background" if args.engine else "none")
     return 0

@@ -120,7 +120,6 @@ class Runtime:
             if self._on_failure:
                 self._on_failure()
             return
-        _warm(mem)
         with self._lock:
             if not self._closing:
                 self.mem = mem
@@ -189,14 +188,3 @@ class Runtime:
                 log.warning("closing with %d calls still running", self._active)
             mem.close()
             log.info("engine closed; facts not yet encoded stay pending and resume at the next start")
-
-
-def _warm(mem) -> None:
-    """Ready means warm: the first request after start-up or a restart should not load models."""
-    warm_up = getattr(mem, "warm_up", None)  # test doubles may lack it
-    if warm_up is None:
-        return
-    try:
-        warm_up()
-    except Exception:  # noqa: BLE001 - a search will report the same failure to its caller
-        log.exception("warming up failed; the first request will try again")

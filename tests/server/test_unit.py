@@ -9,7 +9,6 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from kvmem.embed import MiniLMEmbedder
 from kvmem.errors import InvalidInputError
 from kvmem.index import validate_filters
 from kvmem.server.app import create_app
@@ -64,36 +63,6 @@ def test_503_while_loading_then_ready():
             r = getattr(c, method)(path, **({"json": CHAT} if method == "post" else {}))
             assert assert_error(r, 503)["code"] == "engine_loading"
         release.set()
-        wait_loaded(c)
-        assert c.get("/health").status_code == 200
-
-
-class ColdMem(FakeMem):
-    """A memory whose query embedder loads on first use, as KVMem's does (KVMem.warm_up itself:
-    tests/test_retrieval.py)."""
-
-    def __init__(self):
-        self.embedder = MiniLMEmbedder()  # its own: the shared default may be loaded already
-
-    def warm_up(self):
-        self.embedder.embed(["warm-up"])
-
-
-def test_ready_means_the_query_embedder_is_warm():
-    # The first chat after start-up paid the embedder's load (0.4-1.5 s of retrieval, against
-    # tens of ms after): the server now warms before it reports ready.
-    with client(ColdMem) as c:
-        wait_loaded(c)
-        assert c.get("/health").status_code == 200
-        assert c.app.state.runtime.mem.embedder.loaded
-
-
-def test_a_failed_warm_up_still_serves():
-    class Unwarmable(FakeMem):
-        def warm_up(self):
-            raise RuntimeError("no embedder weights")
-
-    with client(Unwarmable) as c:
         wait_loaded(c)
         assert c.get("/health").status_code == 200
 
