@@ -247,8 +247,9 @@ class Chats:
         sampling = args.sampling
         if args.tools is not None and args.tools.forced:  # as vLLM's server: the calls' schema replaces response_format
             sampling = replace(sampling, json_schema=args.tools.schema(), json_object=False, schema_from="tools")
-        request = EngineRequest(prompt.token_ids, salt(_purpose(args.mode, text_facts, rec), args.user_id), args.max_tokens, plan,
-                                args.logprobs, reader=args.mode == "kv", route=args.user_id, sampling=sampling)
+        request = EngineRequest(prompt.token_ids, salt(_purpose(args.mode, text_facts, rec), args.user_id),
+                                args.max_tokens, plan, args.logprobs, reader=args.mode == "kv", route=args.user_id,
+                                sampling=sampling)
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return Prepared(facts, request, retrieval_s, scores, tuple(map(len, tokens)), clip(question),
                         assembly_s=time.perf_counter() - t1)

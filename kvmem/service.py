@@ -218,9 +218,9 @@ class KVMem:
                             fact_encodes=self.encoder.sent if self.encoder is not None else 0)
 
     def warm_up(self) -> None:
-        """What a long-lived process does once before it serves (kvmem serve, the MCP server): the
-        query embedder and the ranking kernels loaded, so the first chat's retrieval is not ~1 s
-        (Retrieval.warm)."""
+        """What a long-lived process can do once before it serves: load the query embedder and the
+        ranking kernels, so the first chat's retrieval is not ~1 s (Retrieval.warm). kvmem serve
+        does not call it yet: its memory in the suite's topology test is to be measured first."""
         self.retrieval.warm()
 
     def close(self) -> None:

@@ -408,7 +408,7 @@ def _codec_list(text: str) -> tuple[str, ...]:
 
 
 def _points(value: str) -> tuple[str, ...]:
-    from kvmem.bench.ttft import _points as check
+    from kvmem.bench.ttft import fidelity_points as check
 
     names = tuple(v.strip() for v in value.split(",") if v.strip())
     try:

@@ -37,7 +37,7 @@ def run(mem, *, data: Path | None = None, ks=DEFAULT_KS, reps: int = 5, seed: in
     profile: per k, also where KV mode's time goes (`profile_k`), after the timed repetitions.
     points: fidelity points (kv/fidelity.py `parse`) timed in the same repetitions, beside plain
     injection of every fact: each one's share of its TTFT gain, side by side in one run."""
-    chosen_points = _points(points)
+    chosen_points = fidelity_points(points)
     path, which = locomo.bench_data(data)
     convs = locomo.load(path)
     # Distinct texts (the synthetic set repeats a few): a sample of k ids is k different facts.
@@ -141,7 +141,7 @@ _LABELS = {"text": "text prefill", "kv": "KV injection", "cached": "prefix-cache
            "facts_hit": "prefix-cache hit of the facts, new question (engine floor)"}
 
 
-def _points(names: tuple[str, ...]) -> dict:
+def fidelity_points(names: tuple[str, ...]) -> dict:
     """Mode name -> Fidelity of each point. Every timed mode must have a cache salt of its own, or
     one would be served another's blocks from the prefix cache in the same repetition: so no
     point may be plain injection (timed already as kv) or repeat another."""

@@ -129,14 +129,16 @@ class Placement:
             self.kv_map.values_(v[run], i)
         return k.to(dtype), v.to(dtype)
 
-
     def all_layers(self, key: torch.Tensor, value: torch.Tensor,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's staged key, value [L, N, H, D] at once -> as the caches take them, in
         `dtype`: what `layer` gives for each layer, with one op per pass over all layers where
         `layer` makes one per layer (on the CPU backend those ~90 small ops were a quarter of the
         placement at k=50: scripts/placement_passes.py). The inputs are only read."""
-        if not self.moves and not self.mapped:
+        if self.mapped:  # the map in the step (a blob the mapped tier has not seen yet): layer by layer
+            pairs = [self.layer(i, key[i], value[i], dtype) for i in range(len(key))]
+            return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+        if not self.moves:
             return key.to(dtype), value.to(dtype)
         k = key.to(torch.float32, copy=True)  # [L, N, H, D]
         rot = self.rotator.per_layer
@@ -147,14 +149,7 @@ class Placement:
             for i in range(len(rot)):
                 for run, rows in self.moves:
                     rot[i].apply_rows(k[i, run][None], rows[i])
-        if not self.mapped:
-            return k.to(dtype), value.to(dtype)
-        v = value.to(torch.float32, copy=True)
-        for i in range(len(rot)):
-            for run in self.mapped:
-                self.kv_map.keys_(k[i, run], i)
-                self.kv_map.values_(v[i, run], i)
-        return k.to(dtype), v.to(dtype)
+        return k.to(dtype), value.to(dtype)
 
 
 def _runs(rows: torch.Tensor) -> tuple[slice, ...]:

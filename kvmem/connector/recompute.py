@@ -6,7 +6,8 @@ kv/recompute.py chooses, it runs the model's own decoder layers, one after anoth
 states start from the embedding; at each layer their new K/V are written into their paged slots,
 then their queries attend, causally, to every slot of their request up to themselves.
 Only the chosen tokens are carried from layer to layer (CacheBlend's scheme; rule "progressive"
-narrows them at every layer), so the cost is their share of a prefill; tokens the engine then computes read the corrected cache.
+narrows them at every layer), so the cost is their share of a prefill; tokens the engine then
+computes read the corrected cache.
 
 The layers run unchanged: for the duration, each attention layer's `forward` is swapped for one
 that does the write and the attention itself, with metadata of its own: on vLLM's CPU backend

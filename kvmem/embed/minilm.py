@@ -54,7 +54,7 @@ class MiniLMEmbedder(Embedder):
 
     @property
     def loaded(self) -> bool:
-        """Whether the weights are in memory (they load on the first `embed`, or `warm`)."""
+        """Whether the weights are in memory (they load on the first `embed`)."""
         return self._model is not None
 
     def _embed_batch(self, texts: list[str]) -> np.ndarray:
