@@ -21,13 +21,13 @@ def cmd_replica(args: argparse.Namespace, config: Config) -> int:
     """Exec vLLM's server with kvmem's connector; --kv-shared-url reached config.kv through the overlay.
     With --database-url (a PostgreSQL URL) this process stays as the server's parent and keeps it
     registered while it serves (engine/replica_lease.py); --drain URL only marks one draining."""
+    if args.drain:  # before the imports below, which load torch: a drain is one UPDATE
+        return _drain(args.drain, config)
     import shlex
 
     from kvmem.engine import replica
     from kvmem.model import resolve_model
 
-    if args.drain:
-        return _drain(args.drain, config)
     model = resolve_model(config.engine.model, config.models_dir, config.engine.dtype)
     local, advertised = _urls(args)
     cmd = replica.command(config, model, host=args.host, port=args.port, advertise_url=advertised)
@@ -62,7 +62,7 @@ def _drain(url: str, config: Config) -> int:
     if not config.database_url:
         print("kvmem replica --drain needs --database-url (the membership table's PostgreSQL)", file=sys.stderr)
         return 2
-    if not Registry(config.database_url).drain(url.rstrip("/")):
+    if not Registry(config.database_url, create=False).drain(url.rstrip("/")):
         print(f"kvmem replica --drain: {url} is not registered", file=sys.stderr)
         return 1
     print(f"{url} drains: gateways send it nothing new; stop it once its requests are done")

@@ -59,11 +59,15 @@ class Registry:
     """The membership table, one short autocommit connection per call (calls are rare: a renewal
     every few seconds per replica, a read every few seconds per gateway)."""
 
-    def __init__(self, database_url: str) -> None:
+    def __init__(self, database_url: str, create: bool = True) -> None:
+        """`create=False` for a caller that only changes rows already there (`kvmem replica
+        --drain`): it takes no lock, so a writer holding the facts' lock cannot hold it up."""
         if not is_postgres(database_url):
             raise InvalidInputError("replica membership needs a PostgreSQL URL (postgresql://...)",
                                     param="database_url")
         self.url = database_url
+        if not create:
+            return
         with self._conn() as conn, conn.transaction():
             # CREATE TABLE IF NOT EXISTS races itself (two replicas starting at once: one fails on
             # pg_type's unique index), so creators take the facts writers' advisory lock first.
@@ -96,7 +100,10 @@ class Registry:
     def drain(self, url: str) -> bool:
         """Take `url` out of the live set (its row and lease stay); False if it is not registered."""
         with self._conn() as conn:
-            n = conn.execute(f"UPDATE {CHANNEL} SET draining = TRUE WHERE url = %s", (url,)).rowcount
+            try:
+                n = conn.execute(f"UPDATE {CHANNEL} SET draining = TRUE WHERE url = %s", (url,)).rowcount
+            except psycopg.errors.UndefinedTable:
+                return False  # no replica ever registered in this database
             conn.execute(f"NOTIFY {CHANNEL}")
         return n == 1
 

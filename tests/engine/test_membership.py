@@ -91,3 +91,29 @@ def test_replicas_starting_at_once_on_a_fresh_database_all_create_the_registry(p
         for t in threads:
             t.join()
         assert errors == []
+
+
+def test_a_drain_waits_on_no_writer_and_creates_nothing(pg_url):
+    """`kvmem replica --drain` timed out in a clean clone while a chat ran: opening the registry
+    took the facts writers' lock (for its CREATE TABLE). A drain only updates a row."""
+    from kvmem.facts.pg import LOCK_KEY
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS kvmem_replicas")
+    assert not Registry(pg_url, create=False).drain("http://a:8000")  # no table: not registered
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('kvmem_replicas')").fetchone()[0] is None
+    Registry(pg_url).register("http://a:8000", "fp")
+    import threading
+
+    drained: list[bool] = []
+    with psycopg.connect(pg_url) as writer:  # a writer holding the lock in an open transaction
+        writer.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+        drain = threading.Thread(target=lambda: drained.append(Registry(pg_url, create=False).drain("http://a:8000")),
+                                 daemon=True)
+        drain.start()
+        drain.join(timeout=10)
+        writer.rollback()  # lets a drain that did wait on the lock go on
+        assert drained == [True]  # done while the writer still held the lock
+    drain.join(timeout=10)
+    assert Registry(pg_url).live("fp") == []
