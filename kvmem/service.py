@@ -175,10 +175,11 @@ class KVMem:
         return self.chats.stream(messages, _chat_args(user_id, options), cancel=cancel)
 
     def score(self, messages: str | list[dict], answer: str, *, user_id: str, fact_ids: list[str],
-              mode: str = "kv", reader: bool = True, recompute=None) -> list[float]:
+              mode: str = "kv", reader: bool = True, recompute=None, text_facts: int | None = None) -> list[float]:
         """Teacher forcing: the logprob of each token of `answer` as the reply, with these facts
-        (read as `chat` reads them, `reader` and `recompute` included)."""
-        args = ChatArgs(user_id, k=1, fact_ids=fact_ids, mode=mode, max_tokens=1, recompute=recompute)
+        (read as `chat` reads them, `reader`, `recompute` and `text_facts` included)."""
+        args = ChatArgs(user_id, k=1, fact_ids=fact_ids, mode=mode, max_tokens=1, recompute=recompute,
+                        text_facts=text_facts)
         return self.chats.score(messages, answer, args, reader=reader)
 
     def scopes(self, user_prefix: str = ""):

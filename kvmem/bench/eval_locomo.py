@@ -6,8 +6,12 @@ Then text mode answers every question again under another batch composition: the
 noise floor, which KV mode's agreement with text is read against (bench/noise_floor.py).
 With `codecs`, KV mode also answers from each codec's re-coding of the same lossless blobs
 (mode "kv_<codec>"), so codecs are compared on the same questions and text answers.
-Results are appended per question to a JSONL file, so an interrupted run resumes. Only the
-facts the questions read are encoded (all of them with codecs).
+With `points` (fidelity points, kv/fidelity.py `parse`), KV mode also answers at each of them
+(mode "kv@<point>") over the same facts: a run with points adds them to the rows already logged
+and answers nothing else again, so the curve's points share one text pass, one no-memory pass
+and one plain-injection pass, and are compared on the same questions and text answers.
+Results are appended per question to a JSONL file (a question's last line wins), so an
+interrupted run resumes. Only the facts the questions read are encoded (all of them with codecs).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvmem.bench.eval_extract import TURNS_PER_ADD, extract_conversation, user_o
 from kvmem.bench.eval_report import VARIANTS
 from kvmem.bench.metrics import first_token, locomo_f1
 from kvmem.errors import InvalidInputError
+from kvmem.kv.fidelity import parse as parse_point
 
 MODES = ("text", "kv", "off")
 
@@ -56,6 +61,7 @@ class EvalConfig:
     observation_origin: bool = False  # observations searched with the turn they restate (never encoded)
     recompute: str = "off"  # the service's kv.recompute setting (Recompute.tag), set by the caller: names the run
     noise_floor: bool = True  # answer every question again in text mode under another batch (bench/noise_floor.py)
+    points: tuple[str, ...] = ()  # fidelity points KV mode also answers at ("kv@<point>"); not part of the name
 
     def __post_init__(self):
         if self.memory not in DEFAULT_WINDOW:
@@ -75,6 +81,11 @@ class EvalConfig:
                                                     or self.observation_window < 0):
             raise InvalidInputError(f"observation_window must be an int >= 0, got {self.observation_window!r}",
                                     param="observation_window")
+        for spec in self.points:
+            try:
+                parse_point(spec)
+            except ValueError as e:
+                raise InvalidInputError(str(e), param="points") from None
 
     @property
     def window_size(self) -> int:
@@ -181,29 +192,29 @@ def codec_copies(mem, user: str, codecs: tuple[str, ...]) -> dict[str, tuple[str
     return copies
 
 
-def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | None = None) -> dict:
-    """copies: codec_copies() of the user, for the kv_<codec> modes."""
-    records = retrieve(mem, user, q, cfg)
-    ids = [r.id for r in records]
-    found = set().union(*(dia_ids_of(r) for r in records)) if records else set()
-    evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
-    gold = str(q["answer"])
-    row = {"question": q["question"], "answer": gold, "category": q["category"], "fact_ids": ids,
-           "recall": len(evidence & found) / len(evidence) if evidence else None}
-    for mode, (engine_mode, options) in _modes(mem).items():
-        r = mem.chat(q["question"], user_id=user, fact_ids=ids, mode=engine_mode, max_tokens=cfg.max_tokens, **options)
-        lls = mem.score(q["question"], gold, user_id=user, fact_ids=ids, mode=engine_mode, **options)
-        row[mode] = {"answer": r.answer, "f1": locomo_f1(r.answer, gold, q["category"]),
-                     "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s, "first": {str(t): v for t, v in r.first_logprobs.items()}}
+def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | None = None,
+                    row: dict | None = None) -> dict:
+    """copies: codec_copies() of the user, for the kv_<codec> modes. `row`: this question's logged
+    row, to which only the modes it lacks are added (over its own facts)."""
+    if row is None:
+        records = retrieve(mem, user, q, cfg)
+        found = set().union(*(dia_ids_of(r) for r in records)) if records else set()
+        evidence = {e.strip() for e in q.get("evidence", []) if isinstance(e, str)}
+        row = {"question": q["question"], "answer": str(q["answer"]), "category": q["category"],
+               "fact_ids": [r.id for r in records],
+               "recall": len(evidence & found) / len(evidence) if evidence else None}
+    else:
+        row = dict(row)
+    ids, gold = row["fact_ids"], row["answer"]
+    for mode, (engine_mode, options) in _modes(mem, cfg.points).items():
+        if mode not in row:
+            row[mode] = _answer(mem, q["question"], gold, q["category"], user, ids, cfg, engine_mode, options)
     for codec, (copy_user, id_of) in (copies or {}).items():  # as served: with the reader, if any
-        copy_ids = [id_of[i] for i in ids]
-        r = mem.chat(q["question"], user_id=copy_user, fact_ids=copy_ids, mode="kv", max_tokens=cfg.max_tokens)
-        lls = mem.score(q["question"], gold, user_id=copy_user, fact_ids=copy_ids, mode="kv")
-        row[f"kv_{codec}"] = {"answer": r.answer, "f1": locomo_f1(r.answer, gold, q["category"]),
-                              "ll": sum(lls) / len(lls), "ttft_s": r.ttft_s,
-                              "first": {str(t): v for t, v in r.first_logprobs.items()}}
+        if f"kv_{codec}" not in row:
+            row[f"kv_{codec}"] = _answer(mem, q["question"], gold, q["category"], copy_user,
+                                         [id_of[i] for i in ids], cfg, "kv", {})
         row[f"top1_agree_lossless_{codec}"] = first_token(row["kv"]["first"], row[f"kv_{codec}"]["first"])[0]
-    for mode in ("kv", *VARIANTS, *(f"kv_{c}" for c in (copies or {}))):
+    for mode in ("kv", *VARIANTS, *(f"kv_{c}" for c in (copies or {})), *(f"kv@{p}" for p in cfg.points)):
         suffix = mode.removeprefix("kv")
         if mode in row:
             row["top1_agree" + suffix], row["kl_text_kv" + suffix] = first_token(row["text"]["first"], row[mode]["first"])
@@ -212,10 +223,20 @@ def answer_question(mem, user: str, q: dict, cfg: EvalConfig, copies: dict | Non
     return row
 
 
-def _modes(mem) -> dict[str, tuple[str, dict]]:
+def _answer(mem, question: str, gold: str, category, user: str, ids: list[str], cfg: EvalConfig,
+            mode: str, options: dict) -> dict:
+    """One mode's greedy answer, its F1, the gold answer's mean log-likelihood, its first token's logprobs."""
+    r = mem.chat(question, user_id=user, fact_ids=ids, mode=mode, max_tokens=cfg.max_tokens, **options)
+    lls = mem.score(question, gold, user_id=user, fact_ids=ids, mode=mode, **options)
+    return {"answer": r.answer, "f1": locomo_f1(r.answer, gold, category), "ll": sum(lls) / len(lls),
+            "ttft_s": r.ttft_s, "first": {str(t): v for t, v in r.first_logprobs.items()}}
+
+
+def _modes(mem, points: tuple[str, ...] = ()) -> dict[str, tuple[str, dict]]:
     """Each answering mode of a question -> (the chat's mode, its options). With a reader adapter,
     "kv" reads with it and "kv_plain" is the same chat without it; with kv.recompute on, "kv"
-    recomputes and "kv_norc" is the same chat with plain injection."""
+    recomputes and "kv_norc" is the same chat with plain injection; "kv@<point>" is KV mode at
+    that fidelity point."""
     from kvmem.kv.recompute import Recompute
 
     modes = {m: (m, {}) for m in MODES}
@@ -223,6 +244,9 @@ def _modes(mem) -> dict[str, tuple[str, dict]]:
         modes["kv_plain"] = ("kv", {"reader": False})
     if mem.config.kv.recompute_setting.on:
         modes["kv_norc"] = ("kv", {"recompute": Recompute(0.0)})
+    for spec in points:
+        at = parse_point(spec)
+        modes[f"kv@{spec}"] = ("kv", {"recompute": at.recompute, "text_facts": at.text_facts})
     return modes
 
 
@@ -248,33 +272,48 @@ def log_name(cfg: EvalConfig, fingerprint: str, adapter: Path | None) -> str:
 def run(mem, cfg: EvalConfig, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / log_name(cfg, mem.model.fingerprint, mem.engine.reader_adapter)
-    done = {json.loads(line)["key"] for line in log_path.open()} if log_path.exists() else set()
+    done = _logged(log_path)
     convs = [c for c in locomo.load(cfg.data) if not cfg.conversations or c["sample_id"] in cfg.conversations]
     if cfg.codecs and mem.config.kv.codec != "none":
         raise SystemExit("comparing codecs re-codes lossless blobs: run with the default codec (none)")
+    wanted = [f"kv@{p}" for p in cfg.points]
     jobs, copies, users = [], {}, {}
     for conv in convs:
         user = users[conv["sample_id"]] = build_memory(mem, conv, cfg, encode=False, log_dir=out_dir)
-        qs = locomo.sample_questions(conv, cfg.limit, cfg.seed)
-        todo = [(user, conv["sample_id"], i, q) for i, q in qs if f"{conv['sample_id']}#{i}" not in done]
+        todo = []
+        for i, q in locomo.sample_questions(conv, cfg.limit, cfg.seed):
+            row = done.get(f"{conv['sample_id']}#{i}")
+            if row is None or any(m not in row for m in wanted):
+                todo.append((user, conv["sample_id"], i, q, row))
         if todo:
-            encode_read(mem, user, [q for *_, q in todo], cfg)
+            encode_read(mem, user, [q for *_, q, _ in todo], cfg)
         if todo and cfg.codecs:
             copies[user] = codec_copies(mem, user, cfg.codecs)
         jobs += todo
     with log_path.open("a") as log, ThreadPoolExecutor(cfg.workers) as pool, \
             tqdm(total=len(jobs), desc=f"eval {cfg.name}", unit="q") as bar:
-        futures = [(sid, i, pool.submit(answer_question, mem, user, q, cfg, copies.get(user)))
-                   for user, sid, i, q in jobs]
+        futures = [(sid, i, pool.submit(answer_question, mem, user, q, cfg, copies.get(user), row))
+                   for user, sid, i, q, row in jobs]
         for sid, i, fut in futures:
             row = fut.result()
             row.update(key=f"{sid}#{i}", conversation=sid)
             log.write(json.dumps(row) + "\n")
             log.flush()
             bar.update()
-    rows = [json.loads(line) for line in log_path.open()]
+    rows = list(_logged(log_path).values())
     if not cfg.noise_floor:
         return rows
     second = noise_floor.second_text_pass(mem, rows, users, noise_floor.workers_for(cfg.workers), cfg.max_tokens,
                                           log_path)
     return noise_floor.attach(rows, second)
+
+
+def _logged(log_path: Path) -> dict[str, dict]:
+    """The log's rows by question key, in first-logged order; a question's last line wins (a run
+    with points appends its rows again, with the points added)."""
+    rows: dict[str, dict] = {}
+    if log_path.exists():
+        for line in log_path.open():
+            row = json.loads(line)
+            rows[row["key"]] = row
+    return rows

@@ -36,9 +36,14 @@ def _group(rows: list[dict]) -> dict:
         out.update(_kv_fidelity(rows, mode, mode.removeprefix("kv")))
         lossless = f"top1_agree_lossless{mode.removeprefix('kv')}"  # vs the lossless blobs' first token
         out[lossless] = bootstrap_ci([float(r[lossless]) for r in rows if r.get(lossless) is not None])
+    for mode in point_modes(rows):  # kv@<point>: KV mode at a fidelity point, same questions
+        out[f"f1_{mode}"] = bootstrap_ci([r[mode]["f1"] for r in rows])
+        out[f"ll_{mode}"] = bootstrap_ci([r[mode]["ll"] for r in rows])
+        out.update(_kv_fidelity(rows, mode, mode.removeprefix("kv")))
     out["recall_at_k"] = bootstrap_ci([r["recall"] for r in rows if r["recall"] is not None])
     if all("text2" in r for r in rows):
-        out.update(_noise_floor(rows, [m for m in ("kv", *VARIANTS, *codec_modes(rows)) if f"f1_{m}" in out]))
+        kv_modes = ("kv", *VARIANTS, *codec_modes(rows), *point_modes(rows))
+        out.update(_noise_floor(rows, [m for m in kv_modes if f"f1_{m}" in out]))
     return out
 
 
@@ -62,6 +67,11 @@ def codec_modes(rows: list[dict]) -> list[str]:
     """The kv_<codec> modes every row has (an eval run with --codecs)."""
     modes = [m for m in rows[0] if m.startswith("kv_") and m not in VARIANTS and isinstance(rows[0][m], dict)]
     return [m for m in modes if all(m in r for r in rows)]
+
+
+def point_modes(rows: list[dict]) -> list[str]:
+    """The kv@<point> modes every row has (eval locomo --points), in the order first logged."""
+    return [m for m in rows[0] if m.startswith("kv@") and all(m in r for r in rows)]
 
 
 def _kv_fidelity(rows: list[dict], mode: str, suffix: str) -> dict:
@@ -115,6 +125,7 @@ def markdown(summary: dict, title: str) -> str:
         lines += [f"| {name} | {_ci(g[f'f1_{mode}'])} | {_ci(g[f'f1_retention_kv{s}'])} | {_ci(g[f'll_{mode}'])} | "
                   f"{_ci(g[f'll_retention_kv{s}'])} | {_ci(g[f'top1_agree{s}'])} | {_ci(g[f'kl_text_kv{s}'])} |"
                   for name, g in summary.items()]
+    lines += _point_lines(summary["overall"])
     codecs = [m.removeprefix("f1_kv_") for m in summary["overall"]
               if m.startswith("f1_kv_") and m.removeprefix("f1_") not in VARIANTS]
     if codecs:
@@ -129,6 +140,22 @@ def markdown(summary: dict, title: str) -> str:
                   f"{_ci(g[f'top1_agree_lossless_{c}'])} |"
                   for c in codecs]
     return "\n".join(lines)
+
+
+def _point_lines(g: dict) -> list[str]:
+    """KV mode at each fidelity point (eval locomo --points), overall, beside the configured KV mode."""
+    points = [m.removeprefix("f1_kv@") for m in g if m.startswith("f1_kv@")]
+    if not points:
+        return []
+    noise = "same_answer_noise" in g
+    lines = ["", "KV mode at each fidelity point, overall (same questions, facts and text answers):", "",
+             "| point | F1 | F1 retention | LL retention | top-1 agree | KL(text‖kv) | same answer |"
+             + (" same answer / noise |" if noise else ""), "|" + "---|" * (7 + noise)]
+    for name, s in (("kv (as configured)", ""), *((p, f"@{p}") for p in points)):
+        lines.append(f"| {name} | {_ci(g['f1_kv' + s])} | {_ci(g['f1_retention_kv' + s])} | "
+                     f"{_ci(g['ll_retention_kv' + s])} | {_ci(g['top1_agree' + s])} | {_ci(g['kl_text_kv' + s])} | "
+                     f"{_ci(g['same_answer' + s])} |" + (f" {_ci(g['same_answer_rel' + s])} |" if noise else ""))
+    return lines
 
 
 def _noise_lines(summary: dict) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -264,3 +265,28 @@ def test_load_bench_draws_hot_facts_by_zipf_and_reports_the_ram_tiers_hit_rate(m
     (row,) = result["rows"]
     assert result["pool"] == 12 and 0 <= row["kv"]["ram_hit_rate"] <= 1
     assert "RAM-tier hit rate" in load.report(result, tmp_path / "load")
+
+
+def test_locomo_eval_adds_fidelity_points_to_the_rows_it_logged_and_answers_nothing_again(mem, tmp_path, locomo_path):
+    base = eval_locomo.EvalConfig(locomo_path, ("conv-26",), k=3, limit=2, workers=2, noise_floor=False, seed=3)
+    first = {r["key"]: r for r in eval_locomo.run(mem, base, tmp_path)}
+    with_points = replace(base, points=("text-facts-1", "first-1.0"))
+    assert with_points.name == base.name  # the same log: points extend its rows
+    rows = eval_locomo.run(mem, with_points, tmp_path)
+    assert len(rows) == 2
+    for row in rows:
+        before = first[row["key"]]
+        for mode in ("text", "kv", "off"):
+            assert row[mode] == before[mode]  # not answered again: its TTFT too is the first run's
+        for point in ("kv@text-facts-1", "kv@first-1.0"):
+            assert row[point]["ll"] < 0 and isinstance(row["same_answer@" + point[3:]], bool)
+    assert eval_locomo.run(mem, with_points, tmp_path) == rows  # nothing left to add
+    log = tmp_path / eval_locomo.log_name(base, mem.model.fingerprint, mem.engine.reader_adapter)
+    assert len(log.read_text().splitlines()) == 4  # each question once, then once more with its points
+    summary = eval_report.summarize(rows)
+    assert eval_report.point_modes(rows) == ["kv@text-facts-1", "kv@first-1.0"]
+    assert "f1_retention_kv@first-1.0" in summary["overall"]
+    assert "| first-1.0 |" in eval_report.markdown(summary, base.name)
+    with pytest.raises(InvalidInputError) as e:
+        replace(base, points=("first-2.0",))
+    assert e.value.param == "points"

@@ -45,8 +45,11 @@ class Servers:
         self.current = None
 
     def close(self) -> None:
+        """Stop the server; a later get() starts it again. Tests that start engines of their own
+        (the topology's replicas) close it first: with it, the suite's engines outgrew 24 GiB."""
         if self.current is not None:
             self.current.stop()
+            self.current = None
 
 
 # `servers` and `server` live in tests/conftest.py: tests/mcp/ and tests/integrations/ share the one server.

@@ -40,7 +40,10 @@ class ServerProc:
         # No reader adapter: these tests time chats against the server's graceful-shutdown window,
         # and LoRA on vLLM's CPU backend slows every KV-mode decode step (docs/benchmarks.md);
         # serving with the adapter is tested in tests/reader/test_serving.py.
-        env = {**os.environ, "KVMEM_SERVER_MAX_INFLIGHT": str(bound), "KVMEM_READER_ADAPTER": "off"}
+        # 1 GiB of KV cache (~46k tokens of the bundled model) is plenty for these tests, and the
+        # suite's engines and servers share 24 GiB.
+        env = {**os.environ, "KVMEM_SERVER_MAX_INFLIGHT": str(bound), "KVMEM_READER_ADAPTER": "off",
+               "KVMEM_CPU_KV_SPACE_GIB": "1"}
         cmd = [sys.executable, "-m", "kvmem.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--home", str(data_dir), "--config", str(config)]
         with open(log, "ab") as out:

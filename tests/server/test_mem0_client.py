@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
 # Before mem0 is imported: it reads both at import (no telemetry; its config file not in ~).
 os.environ["MEM0_TELEMETRY"] = "False"
-os.environ.setdefault("MEM0_DIR", tempfile.mkdtemp(prefix="kvmem-mem0-"))
+if "MEM0_DIR" not in os.environ:
+    os.environ["MEM0_DIR"] = tempfile.mkdtemp(prefix="kvmem-mem0-")
+    atexit.register(shutil.rmtree, os.environ["MEM0_DIR"], ignore_errors=True)  # no folder left per run
 
 from mem0 import AsyncMemoryClient, MemoryClient  # noqa: E402
 from mem0.exceptions import MemoryNotFoundError, ValidationError  # noqa: E402

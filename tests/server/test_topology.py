@@ -51,9 +51,10 @@ def _wait(proc: KvmemProcess, path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def topology(tmp_path_factory, postgres_url, redis_url):
+def topology(tmp_path_factory, postgres_url, redis_url, servers):
     import psycopg
 
+    servers.close()  # the shared server's engine is not needed here; the next server test restarts it
     db = f"topology_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {db}")
