@@ -2,12 +2,13 @@
 
     python scripts/fidelity_curve.py            # prints the table, draws docs/results/fidelity-points.png
 
-Every point's answers come from one `kvmem eval locomo` run over all 650 questions of categories
-1-4 of the reporting conversations (conv-42/43/44/47), k=10 observations, the shipped map
-(`--no-noise-floor` for all but the first). Same answer is read against the noise floor of the
-first run (text mode's second pass over the same 650 questions, another batch composition), so
-every point is divided by that one floor. "exact" ran on 255 of those questions; its floor is
-the same run's on those 255 (docs/benchmarks.md, "Answers at n = 650").
+Every point's answers come from `kvmem eval locomo` over all 650 questions of categories 1-4 of
+the reporting conversations (conv-42/43/44/47), k=10 observations, the shipped map: the text-facts
+points each from a run of its own (`--no-noise-floor`), the recompute points from one run with
+`--points` (mode kv@<point>: every point over the same text, no-memory and plain passes). Same answer
+is read against the noise floor of the first run (text mode's second pass over the same 650
+questions, another batch composition), so every point is divided by that one floor. An earlier
+"exact" ran on 255 of those questions, read against its own floor on those 255.
 
 TTFT: one `kvmem bench ttft --points ...` run (k=50, 5 repetitions) times every point in the same
 repetitions as plain injection of every fact, so "gain kept" is (text/kv at the point) / (text/kv
@@ -26,7 +27,12 @@ RUN = "locomo-observations-w0-k10-conv-42+conv-43+conv-44+conv-47"
 EXACT = "locomo-observations-w0-k10-limit85-conv-42+conv-43+conv-44-recompute-first-1.json"
 EXACT_FLOOR = 0.753  # text vs its second pass on the exact run's 255 questions (benchmarks.md)
 
+# The recompute points: one run, `--no-noise-floor --points ...`, its rows answered at each point.
+POINTS_RUN = f"{RUN}-points.json"
+
 TTFT = "ttft-fidelity-curve.json"  # one bench ttft --points run: every point in the same repetitions
+# A later run for the points the first did not time (5% and 50%), again beside plain injection.
+TTFT_MORE = "ttft-fidelity-curve-more.json"
 
 # label, eval file, which KV column, the point's name in the TTFT run ("plain"/"fast": its own columns)
 POINTS = [
@@ -36,27 +42,32 @@ POINTS = [
     ("last 2 facts as text", f"{RUN}-text-facts-2.json", "kv", "text-facts-2"),
     ("best-scored 2 as text", f"{RUN}-text-facts-2-relevant.json", "kv", "text-facts-2"),
     ("balanced: last 4 facts as text", f"{RUN}-text-facts-4.json", "kv", "text-facts-4"),
-    ("recompute 15% first", f"{RUN}-recompute-first-0.15.json", "kv", "first-0.15"),
-    ("recompute 30% first", None, "kv", "first-0.3"),
+    ("recompute 5% first", POINTS_RUN, "kv@first-0.05", "first-0.05"),
+    ("recompute 15% first (EPIC)", POINTS_RUN, "kv@first-0.15", "first-0.15"),
+    ("recompute 30% first", POINTS_RUN, "kv@first-0.3", "first-0.3"),
+    ("recompute 50% first", POINTS_RUN, "kv@first-0.5", "first-0.5"),
     ("recompute 15% deviation (CacheBlend)", None, "kv", "deviation-0.15"),
     ("recompute 15% progressive", None, "kv", "progressive-0.15"),
     ("recompute 15% global", None, "kv", "global-0.15"),
-    ("exact (100%)", EXACT, "kv", "exact"),
+    ("exact (100%), 255 questions", EXACT, "kv", "exact"),
+    ("exact (100%)", POINTS_RUN, "kv@exact", "exact"),
 ]
 
 
 def gain_kept(point: str, k: int = 50) -> float | None:
     """The share of plain injection's text/kv at k that the point keeps, in the same repetitions."""
-    path = RESULTS / TTFT
-    if not path.exists():
-        return None
-    row = next(r for r in json.loads(path.read_text())["rows"] if r["k"] == k)
     if point == "fast":
         return 1.0
-    if point == "plain":  # without the map, against with it (the map's own cost, inverted)
-        return row["kv"]["median"] / row["kv_plain"]["median"]
-    found = row.get("points", {}).get(point)
-    return None if found is None else found["share"]
+    for name in (TTFT, TTFT_MORE):
+        path = RESULTS / name
+        if not path.exists():
+            continue
+        row = next(r for r in json.loads(path.read_text())["rows"] if r["k"] == k)
+        if point == "plain":  # without the map, against with it (the map's own cost, inverted)
+            return row["kv"]["median"] / row["kv_plain"]["median"]
+        if point in row.get("points", {}):
+            return row["points"][point]["share"]
+    return None
 
 
 def answers(name: str | None, column: str, floor: float) -> dict | None:
@@ -64,7 +75,9 @@ def answers(name: str | None, column: str, floor: float) -> dict | None:
     if path is None or not path.exists():
         return None
     o = json.loads(path.read_text())["summary"]["overall"]
-    suffix = "" if column == "kv" else "_plain"
+    suffix = column.removeprefix("kv")  # "", "_plain" or "@<point>"
+    if f"f1_retention_kv{suffix}" not in o:
+        return None
     floor = EXACT_FLOOR if name == EXACT else floor
     return {"n": o["n"], "f1_retention": o[f"f1_retention_kv{suffix}"], "first_token": o[f"top1_agree{suffix}"][0],
             "kl": o[f"kl_text_kv{suffix}"][0], "same": o[f"same_answer{suffix}"],
