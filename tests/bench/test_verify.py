@@ -66,7 +66,13 @@ def test_verify_passes_on_the_session_engine_then_auto_serves_kv(mem, no_verdict
     for point in ("balanced", "exact"):
         assert not rows[f"fidelity point {point}: first-token agreement"]["gate"]
     assert rows["fidelity point exact: gap to text prefill"]["passed"], rows["fidelity point exact: gap to text prefill"]
-    assert rows["fidelity point exact: first-token agreement"]["value"] == 1.0
+    # Bit-exact engine: exact is text prefill's first token on every question. A noisy one (an AMX
+    # Xeon: cache hit 0.2 off) may flip a near-tie, but exact never agrees less often than plain KV.
+    exact_noise = float(rows["fidelity point exact: gap to text prefill"]["note"].split()[2].rstrip(";"))
+    exact_agreement = rows["fidelity point exact: first-token agreement"]["value"]
+    if exact_noise == 0:
+        assert exact_agreement == 1.0
+    assert exact_agreement >= rows["fidelity, no reader: first-token agreement"]["value"]
     assert not mem.get_all(user_id=f"{verify.USER}-k1")  # its facts are gone again
 
     after = mem.chat(Q, user_id=user, mode="auto", max_tokens=4)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 
 from tests.server.serverproc import KEYS
 
-EXAMPLES = max(1, int(40 * float(os.environ.get("KVMEM_FUZZ_EXAMPLES", "1"))))
+EXAMPLES = max(1, int(25 * float(os.environ.get("KVMEM_FUZZ_EXAMPLES", "1"))))
 AUTH = {"Authorization": f"Bearer {KEYS['alpha']}"}
 MAX_NEW_TOKENS = 2
 
