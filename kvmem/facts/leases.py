@@ -52,11 +52,16 @@ _INSERT = f"INSERT INTO {TABLE} (fact_id, fingerprint, holder, expires_at)"
 _ACQUIRE = f"{_INSERT} SELECT unnest(?::text[]), ?, ?, {_EXPIRY}" + _TAKE
 # SKIP LOCKED: two gateways claiming at once take different facts, not the same ones twice. A
 # live lease of this holder's that it does not know of (lost in an outage) is claimable again.
+# -> (due rows locked, ids leased). Fewer leased than locked means a race was lost: the statement's
+# snapshot predates a lease committed since (a claim that had these rows locked, or an acquire),
+# so the insert met it; a new statement's snapshot sees it and picks other facts.
 _CLAIM = (f"WITH due AS (SELECT id FROM facts f WHERE kv_status IN ('pending', 'failed') AND kv_attempts < ?"
           f" AND id <> ALL(?::text[]) AND NOT EXISTS (SELECT 1 FROM {TABLE} l WHERE l.fact_id = f.id"
           f" AND l.fingerprint = ? AND l.expires_at > clock_timestamp() AND l.holder <> ?)"
-          f" ORDER BY kv_attempts, created_at, rowid LIMIT ? FOR UPDATE SKIP LOCKED)"
-          f" {_INSERT} SELECT id, ?, ?, {_EXPIRY} FROM due" + _TAKE)
+          f" ORDER BY kv_attempts, created_at, rowid LIMIT ? FOR UPDATE SKIP LOCKED),"
+          f" taken AS ({_INSERT} SELECT id, ?, ?, {_EXPIRY} FROM due{_TAKE})"
+          " SELECT (SELECT count(*) FROM due), ARRAY(SELECT fact_id FROM taken)")
+_CLAIM_TRIES = 4  # each lost race means another claimer just leased facts; a few tries find the rest
 _RENEW = f"UPDATE {TABLE} SET expires_at = {_EXPIRY} WHERE fingerprint = ? AND holder = ? AND fact_id = ANY(?::text[])"
 _RELEASE = f"DELETE FROM {TABLE} WHERE fingerprint = ? AND holder = ? AND fact_id = ANY(?::text[])"
 _SWEEP = f"DELETE FROM {TABLE} WHERE expires_at < clock_timestamp() - ? * interval '1 second'"
@@ -139,9 +144,15 @@ class PgLeases(LocalLeases):
 
     def _pick(self, limit: int, max_attempts: int | None) -> list[str]:
         attempts = max_attempts if max_attempts is not None else 2**62
-        rows = self._run(_CLAIM, (attempts, sorted(self._held), self.fingerprint, self.holder, limit,
-                                  self.fingerprint, self.holder, self.ttl_s))
-        return sorted(self._renewing({row[0] for row in rows}))
+        taken: set[str] = set()
+        for _ in range(_CLAIM_TRIES):
+            (row,) = self._run(_CLAIM, (attempts, sorted(self._held | taken), self.fingerprint, self.holder,
+                                        limit - len(taken), self.fingerprint, self.holder, self.ttl_s))
+            locked, leased = row[0], row[1]
+            taken.update(leased)
+            if len(leased) == locked or len(taken) >= limit:
+                break
+        return sorted(self._renewing(taken))
 
     def _give_back(self, fact_ids: set[str]) -> None:
         try:

@@ -83,6 +83,39 @@ def test_concurrent_claims_split_the_due_facts(pg_store):
             leases.close()
 
 
+def test_a_claim_whose_facts_were_leased_after_its_snapshot_claims_others(pg_store, pg_url):
+    """The race behind a claimer coming back empty while facts were due: its statement's snapshot
+    does not see a lease committed while it ran (here a sync write's acquire, held open in a
+    transaction), so it picks that lease's facts and its insert meets the lease. It claims again
+    on a fresh snapshot and gets the next due facts."""
+    ids = _facts(pg_store, 10)
+    claimer, other = _leases(PgFactStore(pg_url)), _leases(pg_store)
+    assert other.acquire([ids[-1]]) == {ids[-1]}  # (the table exists from here on)
+    other.release([ids[-1]])
+    first = [r.id for r in pg_store.pending(5, max_attempts=2)]  # what a claim picks first
+    claimed: list[str] = []
+    with psycopg.connect(pg_url, autocommit=True) as writer:
+        writer.execute("BEGIN")
+        writer.execute(f"INSERT INTO {TABLE} SELECT unnest(%s::text[]), %s, 'writer',"
+                       " clock_timestamp() + interval '1 minute'", (first, FP))
+        thread = threading.Thread(target=lambda: claimed.extend(claimer.claim(5, max_attempts=2)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        # Watched from another connection: inside the writer's transaction, pg_stat_activity is a snapshot.
+        with psycopg.connect(pg_url, autocommit=True) as watcher:
+            while not watcher.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                                      " AND datname = current_database()").fetchone()[0]:
+                assert thread.is_alive() and time.monotonic() < deadline, "the claim never waited on the lease"
+                time.sleep(0.02)
+        writer.execute("COMMIT")
+        thread.join(timeout=30)
+    try:
+        assert sorted(claimed) == sorted(set(ids) - set(first))
+    finally:
+        claimer.close()
+        other.close()
+
+
 def test_a_lease_outlives_its_holders_connection(pg_store, pg_url):
     """Why a row and not an advisory lock: PostgreSQL dropping the holder's connection (as a
     restart does) leaves the lease held; the holder gives it back once reconnected."""
