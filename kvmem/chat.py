@@ -285,7 +285,7 @@ class Chats:
             return [], {}
         hits = self.retrieval.search(question, user_id=a.user_id, agent_id=a.agent_id, run_id=a.run_id, k=a.k,
                                      filters=a.filters)
-        facts = [self.facts.get(h.id) for h in hits]
+        facts = [f for f in map(self.retrieval.record, (h.id for h in hits)) if f is not None]  # deleted since
         facts.sort(key=lambda f: (f.created_at, f.position or 0, f.id))
         return (kv_first(facts) if a.mode == "kv" else facts), {h.id: h.score for h in hits}
 

@@ -173,15 +173,24 @@ class Retrieval:
 
     def _live(self, user_id: str, query: str, vector, k: int, conditions, mode: str) -> list[tuple[Hit, FactRecord]]:
         """The top k hits whose facts have not expired, ranked deeper by as many as had, until k
-        are live or the ranking runs out: expired facts stay indexed until the sweep forgets them."""
+        are live or the ranking runs out: expired facts stay indexed until the sweep forgets them.
+        A hit whose row is gone (another process deleted it, and its change feed has not reached
+        these indexes yet) is left out the same way."""
         now, depth = time.time(), k
         while True:
             hits = self._rank(user_id, query, vector, depth, conditions, mode)
-            records = [(h, self.facts.get(h.id)) for h in hits]
-            live = [(h, r) for h, r in records if not r.expired(now)]
+            records = [(h, self.record(h.id)) for h in hits]
+            live = [(h, r) for h, r in records if r is not None and not r.expired(now)]
             if len(live) >= k or len(hits) < depth:
                 return live[:k]
             depth = k + len(records) - len(live)  # > depth: more than depth - k of them had expired
+
+    def record(self, fact_id: str) -> FactRecord | None:
+        """A ranked fact's record, None where its row is gone (deleted since it was ranked)."""
+        try:
+            return self.facts.get(fact_id)
+        except UnknownFactError:
+            return None
 
     def warm(self) -> None:
         """One hybrid search through throwaway indexes, so that the query embedder's weights and
