@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmem.connector.rope import LayerRotators, rotary_kernel
+from kvmem.connector.staging import HostStaging
 from kvmem.reader.kvmap import KVMap, rotate_half
 
 
@@ -129,18 +130,26 @@ class Placement:
             self.kv_map.values_(v[run], i)
         return k.to(dtype), v.to(dtype)
 
-    def all_layers(self, key: torch.Tensor, value: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_layers(self, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype,
+                   work: HostStaging | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's staged key, value [L, N, H, D] at once -> as the caches take them, in
         `dtype`: what `layer` gives for each layer, with one op per pass over all layers where
         `layer` makes one per layer (on the CPU backend those ~90 small ops were a quarter of the
-        placement at k=50: scripts/placement_passes.py). The inputs are only read."""
+        placement at k=50: scripts/placement_passes.py). The inputs are only read.
+
+        `work`: buffers kept across steps for the float32 keys and the rounded ones (valid until
+        the next step's placement). Fresh tensors of that size come from the OS each time, page
+        by page: at k=100 the float32 copy took ~10 ms where the copy itself takes ~3."""
         if self.mapped:  # the map in the step (a blob the mapped tier has not seen yet): layer by layer
             pairs = [self.layer(i, key[i], value[i], dtype) for i in range(len(key))]
             return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
         if not self.moves:
             return key.to(dtype), value.to(dtype)
-        k = key.to(torch.float32, copy=True)  # [L, N, H, D]
+        if work is None:
+            k, rounded = key.to(torch.float32, copy=True), None  # [L, N, H, D]
+        else:
+            k, rounded = work.take([(tuple(key.shape), torch.float32), (tuple(key.shape), dtype)])
+            k.copy_(key)
         rot = self.rotator.per_layer
         (run, rows), = self.moves if len(self.moves) == 1 else ((None, None),)
         if run == slice(0, k.shape[1]) and all(r is rot[0] for r in rot):  # every row moves, one rotary embedding
@@ -149,7 +158,7 @@ class Placement:
             for i in range(len(rot)):
                 for run, rows in self.moves:
                     rot[i].apply_rows(k[i, run][None], rows[i])
-        return k.to(dtype), value.to(dtype)
+        return k.to(dtype) if rounded is None else rounded.copy_(k), value.to(dtype)
 
 
 def _runs(rows: torch.Tensor) -> tuple[slice, ...]:

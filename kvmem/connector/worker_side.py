@@ -64,6 +64,7 @@ class WorkerSide:
         self._layout: PageLayout | None = None
         self._stream: SideStream | None = None
         self._staging: HostStaging | None = None
+        self._work: HostStaging | None = None
         self._layer_events: dict[str, object] = {}  # this step's injection, per layer
         self._copies: dict[str, object] = {}  # req id -> event: its encode's copy out of the cache is done
         self._writer = BlobWriter(store, self.codec)
@@ -88,6 +89,7 @@ class WorkerSide:
         self.rotator = self._layer_rotators()
         self._stream = SideStream(self._caches[0][1].device)
         self._staging = HostStaging(pin=self._stream.is_async)
+        self._work = HostStaging(pin=False)  # placement's float32 keys and their rounding (CPU backend)
         self._heads_from_layers(kv_caches)
         if self._recomputer is not None and self._recomputer.names != [name for name, _ in self._caches]:
             self._recomputer, self.recompute_refusal = None, "the KV caches are not the attention layers' own"
@@ -159,7 +161,8 @@ class WorkerSide:
         if dev.type == "cpu":  # staged on the device, no copy to overlap: each pass once over every layer
             with self.watch.stage("placement"):
                 keys, values = place.all_layers(decode_parts(staged.key_codec, staged.key),
-                                                decode_parts(staged.value_codec, staged.value), self._caches[0][1].dtype)
+                                                decode_parts(staged.value_codec, staged.value), self._caches[0][1].dtype,
+                                                self._work)
             for i, (name, cache) in enumerate(self._caches):
                 layer = self._layers[name]
                 with self.watch.stage("scatter"):

@@ -11,6 +11,7 @@ import torch
 
 from kvmem.connector.placement import DeviceKVMap, Placement, _runs
 from kvmem.connector.rope import KeyRotator, LayerRotators
+from kvmem.connector.staging import HostStaging
 from kvmem.reader.kvmap import pair_swap
 from tests.reader.test_kvmap import random_map
 
@@ -100,10 +101,12 @@ def test_each_layer_matches_the_token_by_token_reference(rotators):
     assert torch.equal(key, before[0]) and torch.equal(value, before[1])  # the staging buffer is only read
 
 
+@pytest.mark.parametrize("work", [None, "kept"])
 @pytest.mark.parametrize("step", ["heads stay, two rotary bases, mapped", "every row moves, one rotary base",
                                   "nothing moves"])
-def test_all_layers_at_once_is_each_layer_bit_for_bit(rotators, step):
-    """The CPU path (one op per pass over every layer) against `layer`, layer by layer."""
+def test_all_layers_at_once_is_each_layer_bit_for_bit(rotators, step, work):
+    """The CPU path (one op per pass over every layer) against `layer`, layer by layer; with
+    work buffers kept across steps (the worker's), after a larger step left them dirty."""
     key, value, src, dst, mapped = staged_step()
     kv_map = DeviceKVMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu"))
     if step == "every row moves, one rotary base":
@@ -114,7 +117,13 @@ def test_all_layers_at_once_is_each_layer_bit_for_bit(rotators, step):
     values = torch.stack([value - i for i in range(LAYERS)])
     place = Placement.of(src, dst, mapped, rotators, kv_map, torch.device("cpu"))
     before = keys.clone(), values.clone()
-    got_k, got_v = place.all_layers(keys, values, torch.bfloat16)
+    buffers = None
+    if work == "kept":
+        buffers = HostStaging(pin=False)
+        wider = torch.cat([keys, keys], dim=1)  # a larger step before, through the same buffers
+        Placement.of(torch.cat([src, src]), torch.cat([dst, dst]), None, rotators, None,
+                     torch.device("cpu")).all_layers(wider, torch.cat([values, values], dim=1), torch.bfloat16, buffers)
+    got_k, got_v = place.all_layers(keys, values, torch.bfloat16, buffers)
     for i in range(LAYERS):
         want_k, want_v = place.layer(i, keys[i], values[i], torch.bfloat16)
         assert torch.equal(got_k[i], want_k) and torch.equal(got_v[i], want_v), (step, i)
