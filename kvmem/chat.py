@@ -283,9 +283,9 @@ class Chats:
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         if not question.strip():
             return [], {}
-        hits = self.retrieval.search(question, user_id=a.user_id, agent_id=a.agent_id, run_id=a.run_id, k=a.k,
-                                     filters=a.filters)
-        facts = [f for f in map(self.retrieval.record, (h.id for h in hits)) if f is not None]  # deleted since
+        found = self.retrieval.search_facts(question, user_id=a.user_id, agent_id=a.agent_id, run_id=a.run_id,
+                                            k=a.k, filters=a.filters)
+        hits, facts = [h for h, _ in found], [f for _, f in found]
         facts.sort(key=lambda f: (f.created_at, f.position or 0, f.id))
         return (kv_first(facts) if a.mode == "kv" else facts), {h.id: h.score for h in hits}
 

@@ -155,6 +155,14 @@ class Retrieval:
                k: int = 10, filters: dict | None = None, ranking: str | None = None) -> list[SearchHit]:
         """The scope's top-k facts for `query`, expired ones left out; `ranking` ("hybrid", "dense",
         "lexical") overrides RetrievalConfig.mode for this call."""
+        return [hit for hit, _ in self.search_facts(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k,
+                                                    filters=filters, ranking=ranking)]
+
+    def search_facts(self, query: str, *, user_id: str, agent_id: str | None = None, run_id: str | None = None,
+                     k: int = 10, filters: dict | None = None,
+                     ranking: str | None = None) -> list[tuple[SearchHit, FactRecord]]:
+        """`search`, each hit with the fact record it was read from (a chat builds its prompt from
+        them: no second read, in which a fact deleted meanwhile would be missing)."""
         Scope(user_id, agent_id, run_id)
         if not int_at_least(k, 1):
             raise InvalidInputError(f"k must be an int >= 1, got {k!r}", param="k")
@@ -169,7 +177,7 @@ class Retrieval:
         mode = ranking or self.config.mode
         vector = None if mode == "lexical" else self.embedder.embed([query])[0]
         records = self._live(user_id, query, vector, k, validate_filters(conditions) if conditions else None, mode)
-        return [SearchHit(r.id, r.text, float(h.score), r.metadata, r.created_at, r.kv_status) for h, r in records]
+        return [(SearchHit(r.id, r.text, float(h.score), r.metadata, r.created_at, r.kv_status), r) for h, r in records]
 
     def _live(self, user_id: str, query: str, vector, k: int, conditions, mode: str) -> list[tuple[Hit, FactRecord]]:
         """The top k hits whose facts have not expired, ranked deeper by as many as had, until k
@@ -179,13 +187,13 @@ class Retrieval:
         now, depth = time.time(), k
         while True:
             hits = self._rank(user_id, query, vector, depth, conditions, mode)
-            records = [(h, self.record(h.id)) for h in hits]
+            records = [(h, self._record(h.id)) for h in hits]
             live = [(h, r) for h, r in records if r is not None and not r.expired(now)]
             if len(live) >= k or len(hits) < depth:
                 return live[:k]
             depth = k + len(records) - len(live)  # > depth: more than depth - k of them had expired
 
-    def record(self, fact_id: str) -> FactRecord | None:
+    def _record(self, fact_id: str) -> FactRecord | None:
         """A ranked fact's record, None where its row is gone (deleted since it was ranked)."""
         try:
             return self.facts.get(fact_id)

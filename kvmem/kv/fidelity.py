@@ -9,7 +9,8 @@ and rule: each point sets kv.recompute, kv.recompute_rule and kv.text_facts toge
   fact before them: F1 as text prefill's on the bundled model (retention 0.987 over 650
   questions) for 0.50 of plain injection's TTFT gain at k=50 on a slow-prefill host and 0.71 on a
   fast one (AMX), the cost of 4 facts' prefill whatever k is. It replaced 15% recompute
-  (CacheBlend's `deviation`), which kept 0.27 of the gain for answers no closer (the curve in docs/benchmarks.md, "The curve at n = 650").
+  (CacheBlend's `deviation`), which kept 0.27 of the gain for answers no closer (the curve in
+  docs/benchmarks.md, "The curve at n = 650").
 - "exact": every fact token recomputed through the engine's own attention kernel: text prefill's
   arithmetic (bit for bit wherever vLLM's own prefix-cache hit is), at text prefill's compute.
   What it keeps over text mode is none of the TTFT, only the memory layer's retrieval and API.
