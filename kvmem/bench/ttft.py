@@ -23,7 +23,7 @@ from tqdm import tqdm
 from kvmem.bench import locomo
 from kvmem.bench.metrics import median_ratio_ci
 from kvmem.bench.report import plot_lines, summary, write_json
-from kvmem.connector.profile import SCHEDULER_STAGES, WORKER_STAGES
+from kvmem.connector.profile import NESTED, SCHEDULER_STAGES, STEP_STAGES, WORKER_STAGES, work_total
 from kvmem.kv import fidelity
 from kvmem.kv.recompute import Recompute
 
@@ -127,7 +127,7 @@ def profile_k(mem, ids: list[str], questions: list[str], k: int, reps: int, rng:
     for _ in range(reps):
         q = questions[rng.randrange(len(questions))]
         r = mem.chat(q, user_id=USER, fact_ids=rng.sample(ids, k), mode="kv", max_tokens=2, logprobs=None)
-        for name in (*SCHEDULER_STAGES, *WORKER_STAGES):
+        for name in (*SCHEDULER_STAGES, *WORKER_STAGES, *STEP_STAGES):
             stages.setdefault(name, []).append(r.connector_ms.get(name, 0.0))
         if k:  # retrieval as a chat does it (text mode: only the client side is read here)
             searched = mem.chat(q, user_id=USER, k=k, mode="text", max_tokens=1, logprobs=None)
@@ -224,19 +224,25 @@ def points_table(rows: list[dict]) -> list[str]:
 
 def profile_table(rows: list[dict]) -> list[str]:
     """Where KV mode's time over the engine's floor (facts hit) goes, per k: the connector's
-    stages in the engine's processes, the rest unattributed; and the client's side before it."""
+    stages in the engine's processes (a nested stage shown, counted once), the rest
+    unattributed; beside them the injecting step's handoff and forward, which the floor has
+    too (connector/profile.py), and the client's side before the engine."""
     stages = (*SCHEDULER_STAGES, *WORKER_STAGES)
+    heads = [f"{n} (in {NESTED[n]})" if n in NESTED else n for n in stages]
     lines = ["Where KV mode's time goes (`--profile`; medians, ms; scheduler: " + ", ".join(SCHEDULER_STAGES)
-             + "; worker: " + ", ".join(WORKER_STAGES) + "):", "",
-             "| k | kv - facts hit | " + " | ".join(stages) + " | connector total | unattributed "
-             "| client: retrieval | client: assembly |", "|---" * (len(stages) + 6) + "|"]
+             + "; worker: " + ", ".join(WORKER_STAGES) + "; the step around the load: "
+             + ", ".join(STEP_STAGES) + "):", "",
+             "| k | kv - facts hit | " + " | ".join(heads) + " | connector total | unattributed | "
+             + " | ".join(STEP_STAGES) + " | client: retrieval | client: assembly |",
+             "|---" * (len(stages) + len(STEP_STAGES) + 6) + "|"]
     for r in rows:
         if "profile" not in r:
             continue
         ms, client = r["profile"]["connector_ms"], r["profile"]["client_ms"]
         over = (r["kv"]["median"] - r["facts_hit"]["median"]) * 1e3
-        total = sum(ms.values())
-        cells = [f"{ms.get(n, 0.0):.2f}" for n in stages]
-        lines.append(f"| {r['k']} | {over:.1f} | " + " | ".join(cells) + f" | {total:.1f} | {over - total:.1f} "
-                     f"| {client.get('retrieval', 0.0):.1f} | {client.get('assembly', 0.0):.1f} |")
+        total = work_total(ms)
+        cells = [f"{ms.get(n, 0.0):.2f}" for n in (*stages, *STEP_STAGES)]
+        lines.append(f"| {r['k']} | {over:.1f} | " + " | ".join(cells[:len(stages)]) + f" | {total:.1f} | "
+                     f"{over - total:.1f} | " + " | ".join(cells[len(stages):])
+                     + f" | {client.get('retrieval', 0.0):.1f} | {client.get('assembly', 0.0):.1f} |")
     return lines

@@ -31,7 +31,7 @@ from vllm.model_executor.layers import rotary_embedding
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from kvmem.connector.plan import ConnectorMeta, ConnectorSettings
-from kvmem.connector.profile import to_ms
+from kvmem.connector.profile import StepClock, to_ms
 from kvmem.connector.recompute import Recomputer, live_modules
 from kvmem.connector.rope import KeyRotator, is_rotary
 from kvmem.connector.scheduler_side import SchedulerSide
@@ -84,6 +84,7 @@ class KvmemConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._clock: StepClock | None = None  # worker: the injecting step around the load
         self._publisher: ResidencyPublisher | None = None
         self._tier_totals = KvmemStats()  # scheduler: every worker's reports, summed
         self._tier_totals.reset()
@@ -97,6 +98,7 @@ class KvmemConnector(KVConnectorBase_V1):
         else:
             store.worker_attached = True
             self._worker = _build_worker(vllm_config, kv_cache_config, store, block_size, settings)
+            self._clock = StepClock(self._worker.timings)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -117,7 +119,7 @@ class KvmemConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """Scheduler, once per step after scheduling: this step's loads and saves for the worker."""
         meta = self._scheduler.build_meta(scheduler_output)
-        return KvmemMetadata(loads=meta.loads, saves=meta.saves)
+        return KvmemMetadata(loads=meta.loads, saves=meta.saves, built_at=meta.built_at)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per finished request, before its blocks are freed: True keeps them
@@ -163,7 +165,11 @@ class KvmemConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Worker, each step, before the forward pass: queue this step's injections."""
         if self.has_connector_metadata():
-            self._worker.load(self._get_connector_metadata())
+            meta = self._get_connector_metadata()
+            loading = [job.req_id for job in meta.loads]
+            self._clock.load_started(loading, meta.built_at)
+            self._worker.load(meta)
+            self._clock.load_done(loading)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker, inside the forward pass, before each attention layer: that layer's injected
@@ -177,6 +183,7 @@ class KvmemConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Worker, each step, after the forward pass: queue the copy of finished encodes out of
         the cache (blobs are written on a background thread)."""
+        self._clock.forward_done()
         if self.has_connector_metadata():
             self._worker.save(self._get_connector_metadata())
 

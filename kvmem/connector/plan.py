@@ -217,3 +217,4 @@ class SaveJob:
 class ConnectorMeta:
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    built_at: float = 0.0  # the scheduler's time.monotonic() when built (the worker's `handoff`)

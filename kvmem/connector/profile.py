@@ -7,7 +7,13 @@ Both halves of the connector time their own work with a `Stopwatch`:
   `premap` (the reader's KV map applied to blobs the mapped tier has not seen: once per fact),
   `staging` (gathering their tokens into the host staging buffer), `placement` (decoding and
   re-positioning keys, the KV map), `scatter` (the backend's cache-update op writing pages),
-  `recompute` (selective recompute).
+  `recompute` (selective recompute). `premap` runs inside `staging`: it is part of its time.
+
+Around the worker's load, the step's clock (`StepClock`, connector.py's hooks): `handoff`, from
+the scheduler's meta built (engine core) to the worker's load starting, and `forward`, from the
+load done to the forward pass done (`wait_for_save`). Both read the host's monotonic clock in two
+processes, which vLLM's executor always starts on one host. They are not the connector's work:
+the floor (a prefix-cache hit) has a handoff and a forward of its own.
 
 The worker's timings of a step reach the scheduler with the step's connector stats, after vLLM
 has already finished the requests of that step: a request answered in its first step (one output
@@ -27,6 +33,8 @@ from typing import Iterator, Mapping
 
 SCHEDULER_STAGES = ("lookup", "plan", "meta")
 WORKER_STAGES = ("blob_reads", "premap", "staging", "placement", "scatter", "recompute")
+NESTED = {"premap": "staging"}  # a stage timed inside another: not added again to a total
+STEP_STAGES = ("handoff", "forward")  # the injecting step around the load (StepClock)
 KEEP = 1024  # requests whose timings wait for their report, at most (the oldest go first)
 
 
@@ -89,6 +97,37 @@ class RequestTimings:
         out = dict(self._by_request)
         self._by_request.clear()
         return out
+
+
+class StepClock:
+    """The injecting requests' step around the worker's load: `handoff` and `forward` (module doc).
+
+    Worker process: connector.py calls `load_started` and `load_done` in start_load_kv, around the
+    load, and `forward_done` in wait_for_save, after the forward pass; `timings` is the worker's."""
+
+    def __init__(self, timings: RequestTimings) -> None:
+        self._timings = timings
+        self._loaded: tuple[float, list[str]] | None = None  # when this step's load ended, for whom
+
+    def load_started(self, req_ids: list[str], built_at: float) -> None:
+        """`built_at`: the scheduler's time.monotonic() when it built this step's meta (0: unknown)."""
+        if req_ids and built_at > 0:
+            self._timings.charge(req_ids, {"handoff": max(0.0, time.monotonic() - built_at)})
+
+    def load_done(self, req_ids: list[str]) -> None:
+        self._loaded = (time.monotonic(), req_ids) if req_ids else None
+
+    def forward_done(self) -> None:
+        if self._loaded is not None:
+            at, req_ids = self._loaded
+            self._loaded = None
+            self._timings.charge(req_ids, {"forward": time.monotonic() - at})
+
+
+def work_total(ms: Mapping[str, float]) -> float:
+    """The connector's own work in a request's stage timings: every scheduler and worker stage,
+    a nested one (premap) once, the step's clock (handoff, forward) and counts left out."""
+    return sum(ms.get(n, 0.0) for n in (*SCHEDULER_STAGES, *WORKER_STAGES) if n not in NESTED)
 
 
 def to_ms(seconds: Mapping[str, float]) -> dict[str, float]:

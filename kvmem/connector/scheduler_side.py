@@ -13,6 +13,7 @@ the request once the copy is done).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,7 @@ class SchedulerSide:
         with self._watch.stage("meta"):
             meta = self._build_meta(scheduler_output)
         self.timings.charge([job.req_id for job in meta.loads], self._watch.take())
+        meta.built_at = time.monotonic()
         return meta
 
     def _build_meta(self, scheduler_output) -> ConnectorMeta:

@@ -246,8 +246,10 @@ def test_ttft_bench_profile_prints_where_kv_modes_time_goes(mem, tmp_path, locom
         assert ms["lookup"] > 0, ms  # every KV chat's plan is checked; at k=0 the head may be a local hit
         if row["k"]:  # facts in random orders are never all cached: they are loaded and placed
             assert all(ms[stage] > 0 for stage in ("plan", "meta", "blob_reads", "staging", "scatter")), ms
+            assert ms["forward"] > 0 and ms["handoff"] > 0, ms
     assert result["rows"][1]["profile"]["client_ms"]["retrieval"] > 0
     assert "Where KV mode's time goes" in text and "| blob_reads |" not in text.split("Where")[0]
+    assert "| premap (in staging) |" in text and "| handoff | forward |" in text
 
 
 def test_load_bench_draws_hot_facts_by_zipf_and_reports_the_ram_tiers_hit_rate(mem, tmp_path, locomo_path):

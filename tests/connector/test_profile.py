@@ -6,7 +6,8 @@ import time
 
 from kvmem.connector.connector import PROFILE, KvmemStats
 from kvmem.connector.plan import InjectionReport
-from kvmem.connector.profile import SCHEDULER_STAGES, WORKER_STAGES, RequestTimings, Stopwatch, to_ms
+from kvmem.connector.profile import (SCHEDULER_STAGES, STEP_STAGES, WORKER_STAGES, RequestTimings, StepClock,
+                                    Stopwatch, to_ms, work_total)
 
 
 def test_a_stopwatch_sums_each_stage_until_taken():
@@ -35,6 +36,30 @@ def test_timings_of_requests_that_never_report_are_bounded():
     assert list(timings.drain()) == ["r7", "r8", "r9"]
 
 
+def test_the_connectors_total_counts_a_nested_stage_once_and_leaves_the_steps_clock_out():
+    """premap is timed inside staging; handoff and forward are the step's, not the connector's work."""
+    ms = {"lookup": 1.0, "blob_reads": 2.0, "premap": 3.0, "staging": 5.0, "scatter": 4.0,
+          "handoff": 7.0, "forward": 90.0, "shared_step": 2}
+    assert work_total(ms) == 12.0
+
+
+def test_the_step_clock_charges_handoff_and_forward_to_the_loading_requests_only():
+    timings = RequestTimings()
+    clock = StepClock(timings)
+    clock.load_started(["a", "b"], time.monotonic() - 0.02)  # the meta was built 20 ms ago
+    clock.load_done(["a", "b"])
+    time.sleep(0.01)
+    clock.forward_done()
+    clock.forward_done()  # a step without loads after it charges nothing
+    clock.load_started([], time.monotonic())
+    clock.load_started(["c"], 0.0)  # a meta from a scheduler that did not stamp it: no handoff
+    clock.load_done([])
+    clock.forward_done()
+    a = timings.pop("a")
+    assert a["handoff"] >= 0.02 and 0.01 <= a["forward"] < 1 and a["shared_step"] == 2
+    assert timings.pop("c") == {} and timings.drain() == {"b": a}
+
+
 def test_a_workers_timings_cross_to_the_scheduler_in_its_stats_and_out_in_the_report():
     """The worker's stats (a dict across the process boundary) merge, the counts stay counts."""
     one = KvmemStats(data={"ram_hits": 1, "disk_loads": 0, PROFILE: {"r1": {"scatter": 0.002}}})
@@ -57,8 +82,11 @@ def test_a_kv_chat_reports_where_its_injection_time_went_inside_the_engine(mem):
     assert two.injected_tokens > 0
     assert set(SCHEDULER_STAGES) <= set(two.connector_ms), two.connector_ms
     assert {"blob_reads", "staging", "placement", "scatter"} <= set(two.connector_ms), two.connector_ms
-    assert set(two.connector_ms) <= {*SCHEDULER_STAGES, *WORKER_STAGES, "shared_step"}
+    assert set(two.connector_ms) <= {*SCHEDULER_STAGES, *WORKER_STAGES, *STEP_STAGES, "shared_step"}
     assert all(v >= 0 for v in two.connector_ms.values()) and two.connector_ms["scatter"] > 0
+    # the step around the load: the meta's trip to the worker, and the forward pass after the load
+    assert "handoff" in two.connector_ms, two.connector_ms
+    assert two.connector_ms["handoff"] > 0 and two.connector_ms["forward"] > 0
     assert two.assembly_s > 0
     one = mem.chat("Where do I live?", user_id="profile", fact_ids=ids[::-1], mode="kv", max_tokens=1)
     assert set(SCHEDULER_STAGES) <= set(one.connector_ms)
