@@ -37,7 +37,7 @@ from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob
 from kvmem.connector.profile import RequestTimings, Stopwatch
 from kvmem.connector.recompute import Recomputer, Rows
 from kvmem.connector.rope import KeyRotator, LayerRotators
-from kvmem.connector.staging import HostStaging, SideStream, synchronize
+from kvmem.connector.staging import HostStaging, SideStream, concat_tokens, synchronize
 from kvmem.errors import AdapterError, BlobError
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.codec import Coded, check_codec, decode_parts, role_codecs
@@ -248,8 +248,8 @@ class WorkerSide:
         slot_buf.copy_(slots)
         names = [(role, name) for role in ("keys", "values") for name in getattr(blobs[0], role).parts]
         for (role, name), buf in zip(names, parts):  # one copy op per part: the spans side by side
-            torch.cat([getattr(b, role).parts[name][:, s.src : s.src + s.length] for s, b in zip(spans, blobs)],
-                      dim=1, out=buf)
+            concat_tokens([getattr(b, role).parts[name][:, s.src : s.src + s.length] for s, b in zip(spans, blobs)],
+                          buf)
         src = _encoded_positions(spans, blobs)
         by_role = {"keys": {}, "values": {}}
         for (role, name), buf in zip(names, parts):
