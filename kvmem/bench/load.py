@@ -14,6 +14,7 @@ serves some of them and misses others: its hit rate over each KV level is report
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 import time
 
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from kvmem.bench import locomo
 from kvmem.bench.report import percentile, plot_lines, write_json
+from kvmem.connector.profile import work_total
 
 DEFAULT_USERS = (1, 4, 16, 32, 64)
 
@@ -51,12 +53,14 @@ def pick(rng: random.Random, ids: list[str], k: int, zipf: float) -> list[str]:
 
 def run_level(mem, facts: dict[str, list[str]], questions, users: int, mode: str, k: int, requests: int,
               max_tokens: int, seed: int, zipf: float = 0.0) -> dict:
-    ttfts, out_tokens, errors = [], [], []
+    ttfts, out_tokens, errors, stages = [], [], [], []
     lock = threading.Lock()
     tiers = mem.kv_tiers()
 
     def user_loop(u: int) -> None:
-        rng = random.Random(seed * 1000 + u)
+        # Per seed, level and user: a level must not replay the chats of the warm-up or of a lower
+        # level (same facts, same order, same question), which vLLM's prefix cache would serve whole.
+        rng = random.Random(f"{seed}:{users}:{u}")
         ids = facts[f"bench-load-{u}"]
         for _ in range(requests):
             try:
@@ -65,6 +69,8 @@ def run_level(mem, facts: dict[str, list[str]], questions, users: int, mode: str
                 with lock:
                     ttfts.append(r.ttft_s)
                     out_tokens.append(len(r.token_ids))
+                    if "staging" in r.connector_ms:  # the worker's stages reached the report
+                        stages.append(r.connector_ms)
             except Exception as e:  # noqa: BLE001 - counted and reported
                 errors.append(repr(e))
 
@@ -80,7 +86,19 @@ def run_level(mem, facts: dict[str, list[str]], questions, users: int, mode: str
     return {"users": users, "mode": mode, "requests": len(ttfts), "errors": errors, "wall_s": wall,
             "requests_per_s": len(ttfts) / wall, "output_tokens_per_s": sum(out_tokens) / wall,
             "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
-            "ram_hit_rate": hits / (hits + misses) if hits + misses else None}
+            "ram_hit_rate": hits / (hits + misses) if hits + misses else None, **_stage_medians(stages)}
+
+
+def _stage_medians(reports: list[dict[str, float]]) -> dict:
+    """KV chats' connector stage timings (connector/profile.py) -> their medians per stage, the
+    connector's total, and how many requests shared a step (its work is charged whole to each)."""
+    if not reports:
+        return {}
+    names = sorted({n for r in reports for n in r if n != "shared_step"})
+    return {"connector_ms": {n: statistics.median(r.get(n, 0.0) for r in reports) for n in names},
+            "connector_total_ms": statistics.median(work_total(r) for r in reports),
+            "shared_step_median": statistics.median(r.get("shared_step", 1) for r in reports),
+            "connector_reports": len(reports)}
 
 
 def run(mem, *, data=None, levels=DEFAULT_USERS, k: int = 50, requests: int = 4, max_tokens: int = 16,
@@ -91,8 +109,8 @@ def run(mem, *, data=None, levels=DEFAULT_USERS, k: int = 50, requests: int = 4,
     path, which = locomo.bench_data(data)
     pool = pool or (4 * k if fact_zipf > 0 else k + 20)
     facts, questions = setup(mem, path, max(levels), pool=pool, seed=seed)
-    for mode in ("text", "kv"):  # warm-up
-        run_level(mem, facts, questions, 1, mode, k, 1, max_tokens, seed, fact_zipf)
+    for mode in ("text", "kv"):  # warm-up, on draws of its own (seed - 1)
+        run_level(mem, facts, questions, 1, mode, k, 1, max_tokens, seed - 1, fact_zipf)
     rows = []
     for users in tqdm(levels, desc="bench load", unit="level"):
         per_mode = {mode: run_level(mem, facts, questions, users, mode, k, requests, max_tokens, seed, fact_zipf)
@@ -103,6 +121,14 @@ def run(mem, *, data=None, levels=DEFAULT_USERS, k: int = 50, requests: int = 4,
     return {"bench": "load", "data": which, "data_path": str(path), "k": k, "requests_per_user": requests,
             "max_tokens": max_tokens, "seed": seed, "fact_zipf": fact_zipf, "pool": pool,
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+
+
+def _stages_line(users: int, kv: dict) -> str:
+    ms = kv["connector_ms"]
+    main = ", ".join(f"{n} {ms[n]:.1f}" for n in ("blob_reads", "staging", "placement", "scatter", "forward") if n in ms)
+    return (f"- {users} users, KV: the connector's work per request {kv['connector_total_ms']:.1f} ms ({main}; "
+            f"medians over {kv['connector_reports']} chats; a step's work is charged whole to each of its "
+            f"requests, {kv['shared_step_median']:g} a step at the median)")
 
 
 def report(result: dict, out) -> str:
@@ -124,4 +150,5 @@ def report(result: dict, out) -> str:
     lines.append("")
     lines += [f"- {r['users']} users: throughput kv/text = {r['throughput_ratio']:.2f}x, "
               f"TTFT p50 text/kv = {r['ttft_p50_ratio']:.2f}x" for r in result["rows"]]
+    lines += [_stages_line(r["users"], r["kv"]) for r in result["rows"] if "connector_ms" in r["kv"]]
     return "\n".join(lines)

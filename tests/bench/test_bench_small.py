@@ -75,12 +75,18 @@ def test_ttft_bench_times_fidelity_points_in_the_same_repetitions(mem, tmp_path,
 
 def test_load_bench_tiny(mem, tmp_path, locomo_path):
     result = load.run(mem, data=locomo_path, levels=(1, 2), k=5, requests=1, max_tokens=4)
-    load.report(result, tmp_path / "load")
+    text = load.report(result, tmp_path / "load")
     for row in result["rows"]:
         for mode in ("text", "kv"):
             assert row[mode]["requests"] == row["users"] and row[mode]["errors"] == []
             assert row[mode]["requests_per_s"] > 0 and row[mode]["ttft_p50"] <= row[mode]["ttft_p99"]
         assert row["throughput_ratio"] > 0
+        # where KV's time went under load: the connector's stages, from chats that outlived their first step
+        kv = row["kv"]
+        assert "connector_ms" not in row["text"] and kv.get("connector_reports") == row["users"], kv
+        assert kv["connector_ms"]["staging"] > 0 and kv["connector_ms"]["forward"] > 0
+        assert 0 < kv["connector_total_ms"] < kv["ttft_p99"] * 1e3 and kv["shared_step_median"] >= 1
+        assert f"- {row['users']} users, KV: the connector's work per request" in text
     assert (tmp_path / "load.png").exists()
 
 
