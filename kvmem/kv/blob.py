@@ -41,6 +41,7 @@ class KVBlob:
     keys: Coded  # [L, T, H, D]: rotated to key_position + t as the engine cached them
     values: Coded  # [L, T, H, D]
     key_position: int | None = 0  # None: format-1 keys, stored pre-RoPE
+    digest: str | None = None  # the verified checksum of the file it was read from; None: built in memory
 
     def __post_init__(self) -> None:
         for name in ("keys", "values"):
@@ -193,11 +194,12 @@ def decode_blob(data: bytes | bytearray, fact_id: str, fingerprint: str) -> KVBl
     try:
         tensors = {name: _tensor(raw, dtype, shape) for name, dtype, shape, raw in parts}
         if meta["kvmem_format"] == "1":  # pre-RoPE float32 keys, cache-dtype values
-            return KVBlob(fact_id, fingerprint, token_ids, tensors["key"], tensors["value"], None)
+            return KVBlob(fact_id, fingerprint, token_ids, tensors["key"], tensors["value"], None, meta["checksum"])
         roles = dict(zip(("key", "value"), role_codecs(meta.get("codec", "none"))))
         coded = {role: Coded(codec, {name.removeprefix(role + "."): t for name, t in tensors.items()
                                      if name.startswith(role + ".")}) for role, codec in roles.items()}
-        return KVBlob(fact_id, fingerprint, token_ids, coded["key"], coded["value"], int(meta["key_position"]))
+        return KVBlob(fact_id, fingerprint, token_ids, coded["key"], coded["value"], int(meta["key_position"]),
+                      meta["checksum"])
     except Exception as e:  # noqa: BLE001 - a verified file that still does not parse is corrupt
         raise BlobError(fact_id, BlobError.CORRUPT, str(e)) from e
 

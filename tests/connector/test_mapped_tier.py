@@ -42,6 +42,22 @@ def test_a_blob_is_mapped_as_the_lab_maps_it_and_only_once():
     assert tier.get([again])[0] is not got and tier.maps == 2
 
 
+def test_the_same_file_read_again_is_not_mapped_again_and_a_rewritten_one_is():
+    """Under load the store's RAM tier lets blobs go and reads them again: a new object from the
+    same file (the same checksum) keeps its mapped copy; a rewritten fact (a new checksum) does not."""
+    from kvmem.kv.blob import decode_blob, encode_blob
+
+    tier = MappedTier(DeviceKVMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu")), 1 << 30)
+    data = encode_blob(blob())
+    first, again = (decode_blob(bytearray(data), "f", FP) for _ in range(2))
+    assert first is not again and first.digest is not None and first.digest == again.digest
+    (mapped,) = tier.get([first])
+    assert tier.get([again]) == [mapped] and (tier.maps, tier.hits) == (1, 1)
+    assert tier._entries.bytes == mapped.nbytes  # known by its checksum: the source is not held
+    rewritten = decode_blob(bytearray(encode_blob(blob(seed=1))), "f", FP)
+    assert tier.get([rewritten])[0] is not mapped and tier.maps == 2
+
+
 def test_coded_blobs_are_left_to_the_step_and_the_budget_holds():
     tier = MappedTier(DeviceKVMap.on(random_map(LAYERS, HEADS, DIM), torch.device("cpu")), 0)
     b = blob()
