@@ -25,6 +25,7 @@ import threading
 import torch
 
 from kvmem.connector.placement import DeviceKVMap
+from kvmem.connector.staging import HostStaging, concat_tokens
 from kvmem.kv.blob import KVBlob
 from kvmem.kv.lru import ByteLRU
 
@@ -38,6 +39,9 @@ class MappedTier:
         self._map = key_map
         self._entries: ByteLRU[tuple[str | KVBlob, KVBlob]] = ByteLRU(limit_bytes)  # fact id -> (source, mapped)
         self._lock = threading.Lock()
+        # The step's new blobs side by side, as stored and in float32: kept across steps, as fresh
+        # tensors of that size come from the OS page by page (placement.py's `work`, likewise).
+        self._work = HostStaging(pin=False)
         self.hits = 0
         self.maps = 0
 
@@ -71,11 +75,25 @@ class MappedTier:
         """The blobs' keys and values [L, T, H, D] through every layer's map, all blobs at once
         (concatenated along T), in float32, rounded back to their stored dtypes."""
         lengths = [b.num_tokens for b in blobs]
-        k = torch.cat([b.key for b in blobs], dim=1).to(torch.float32)  # [L, sum T, H, D], a new tensor
-        v = torch.cat([b.value for b in blobs], dim=1).to(torch.float32)
-        self._map.keys_(k)
-        self._map.values_(v)
+        shape = (blobs[0].key.shape[0], sum(lengths), *blobs[0].key.shape[2:])  # [L, sum T, H, D]
+        dtypes = {b.key.dtype for b in blobs} | {b.value.dtype for b in blobs}
+        stored = dtypes.pop() if len(dtypes) == 1 else torch.float32  # one staging dtype for all
+        with self._lock:  # one step maps at a time: the buffers are this tier's
+            k, v, k_in, v_in = self._work.take([(shape, torch.float32)] * 2 + [(shape, stored)] * 2)
+            concat_tokens([b.key for b in blobs], k_in)
+            concat_tokens([b.value for b in blobs], v_in)
+            k.copy_(k_in)
+            v.copy_(v_in)
+            self._map.keys_(k)
+            self._map.values_(v)
+            out = self._split(blobs, lengths, k, v)
         self.maps += len(blobs)
+        return out
+
+    @staticmethod
+    def _split(blobs: list[KVBlob], lengths: list[int], k: torch.Tensor, v: torch.Tensor) -> list[KVBlob]:
+        """The mapped [L, sum T, H, D] back into one blob per source, each in its own tensors,
+        in the source's dtypes (a tier entry must not keep a step's whole buffer alive)."""
         out, at = [], 0
         for blob, n in zip(blobs, lengths):
             key, value = (t[:, at : at + n].to(like.dtype, copy=True) for t, like in ((k, blob.key), (v, blob.value)))
