@@ -119,7 +119,7 @@ class KvmemConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """Scheduler, once per step after scheduling: this step's loads and saves for the worker."""
         meta = self._scheduler.build_meta(scheduler_output)
-        return KvmemMetadata(loads=meta.loads, saves=meta.saves, built_at=meta.built_at)
+        return KvmemMetadata(**vars(meta))  # every field: one left out here reached the worker as its default
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per finished request, before its blocks are freed: True keeps them
