@@ -31,16 +31,18 @@ import torch
 
 from kvmem.connector.blob_writer import BlobWriter, SaveBatch
 from kvmem.connector.mapped_tier import MappedTier
-from kvmem.connector.paged import PageLayout, slot_mapping
+from kvmem.connector.paged import PageLayout
 from kvmem.connector.placement import DeviceKVMap, Placement
 from kvmem.connector.plan import ConnectorMeta, LoadJob, SaveJob
 from kvmem.connector.profile import RequestTimings, Stopwatch
 from kvmem.connector.recompute import Recomputer, Rows
 from kvmem.connector.rope import KeyRotator, LayerRotators
+from kvmem.connector.staged import (Staged, blocks_of, common_dtype, decode_layer, decoded, encoded_positions,
+                                    mapped_tokens, stacked_shape, token_map)
 from kvmem.connector.staging import HostStaging, SideStream, concat_tokens, synchronize
 from kvmem.errors import AdapterError, BlobError
 from kvmem.kv.blob import KVBlob
-from kvmem.kv.codec import Coded, check_codec, decode_parts, role_codecs
+from kvmem.kv.codec import check_codec, decode_parts
 from kvmem.kv.store import KVStore
 from kvmem.reader.kvmap import KVMap
 
@@ -138,7 +140,7 @@ class WorkerSide:
             self._layer_events.clear()
             # Whatever was queued must land before the engine recomputes (and rewrites) those blocks.
             self._stream.make_engine_wait(self._stream.record())
-            self.failed_block_ids.update(_blocks_of(meta.loads, self.block_size))
+            self.failed_block_ids.update(blocks_of(meta.loads, self.block_size))
         finally:
             self.timings.charge((job.req_id for job in meta.loads), self.watch.take())
 
@@ -153,7 +155,7 @@ class WorkerSide:
                 self._layer_events = dict.fromkeys(self._layer_events, done)
         self._staging.release(self._stream.record())
 
-    def _place(self, staged: "_Staged") -> None:
+    def _place(self, staged: Staged) -> None:
         """Write the staged K/V into the paged cache, layer by layer, each where it is served."""
         dev = self.device
         slots = staged.slots.to(dev, non_blocking=True)
@@ -161,8 +163,8 @@ class WorkerSide:
         if dev.type == "cpu":  # staged on the device, no copy to overlap: each pass once over every layer
             with self.watch.stage("placement"):
                 keys, values = place.all_layers(decode_parts(staged.key_codec, staged.key),
-                                                decode_parts(staged.value_codec, staged.value), self._caches[0][1].dtype,
-                                                self._work)
+                                                decode_parts(staged.value_codec, staged.value),
+                                                self._caches[0][1].dtype, self._work)
             for i, (name, cache) in enumerate(self._caches):
                 layer = self._layers[name]
                 with self.watch.stage("scatter"):
@@ -171,15 +173,15 @@ class WorkerSide:
             return
         for i, (name, cache) in enumerate(self._caches):  # CUDA: layer i's copy overlaps layer i-1's compute
             with self.watch.stage("placement"):
-                key = _decode_layer(staged.key_codec, staged.key, i, dev)  # [N, H, D]
-                value = _decode_layer(staged.value_codec, staged.value, i, dev)
+                key = decode_layer(staged.key_codec, staged.key, i, dev)  # [N, H, D]
+                value = decode_layer(staged.value_codec, staged.value, i, dev)
                 key, value = place.layer(i, key, value, cache.dtype)
             layer = self._layers[name]
             with self.watch.stage("scatter"):
                 layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
             self._layer_events[name] = self._stream.record()
 
-    def _recompute(self, jobs: list[LoadJob], staged: "_Staged") -> None:
+    def _recompute(self, jobs: list[LoadJob], staged: Staged) -> None:
         """Recompute the chosen fact tokens of the jobs that ask, one group per setting."""
         caches = [cache for _, cache in self._caches]
         groups: dict = {}
@@ -217,9 +219,9 @@ class WorkerSide:
                                    f"{self.head_size}; this model has rotary_dim {rot.rotary_dim}, neox "
                                    f"{rot.is_neox_style}")
 
-    def _stage(self, jobs: list[LoadJob]) -> "_Staged":
+    def _stage(self, jobs: list[LoadJob]) -> Staged:
         """Blob tokens of all spans, one after another, in the host staging buffer, as stored."""
-        positions, slots = _token_map(jobs, self.block_size)
+        positions, slots = token_map(jobs, self.block_size)
         self.rotator.check_positions(positions)
         spans = [s for job in jobs for s in job.spans]
         with self.watch.stage("blob_reads"):
@@ -228,8 +230,8 @@ class WorkerSide:
             return self._gather(jobs, spans, fetched, positions, slots)
 
     def _gather(self, jobs: list[LoadJob], spans: list, fetched: list, positions: torch.Tensor,
-                slots: torch.Tensor) -> "_Staged":
-        """The fetched blobs' span tokens -> one `_Staged` in the host staging buffer."""
+                slots: torch.Tensor) -> Staged:
+        """The fetched blobs' span tokens -> one `Staged` in the host staging buffer."""
         blobs = [blob for blob, _ in fetched]
         for _, in_ram in fetched:
             self.tier_counts["ram_hits" if in_ram else "disk_loads"] += 1
@@ -237,10 +239,10 @@ class WorkerSide:
             premapped = self._premapped(jobs, blobs)
         codec = blobs[0].codec if len({b.codec for b in blobs}) == 1 else None
         if codec is None:  # a codec change left blobs of two codecs: decode on the host (rare)
-            blobs = [_decoded(b) for b in blobs]
+            blobs = [decoded(b) for b in blobs]
             codec = "none"
         n = len(positions)
-        wanted = [((n,), torch.long)] + [(_stacked_shape(t, n), _common_dtype(blobs, role, name))
+        wanted = [((n,), torch.long)] + [(stacked_shape(t, n), common_dtype(blobs, role, name))
                                          for role in ("keys", "values")
                                          for name, t in getattr(blobs[0], role).parts.items()]
         buffers = self._staging.take(wanted)
@@ -250,14 +252,14 @@ class WorkerSide:
         for (role, name), buf in zip(names, parts):  # one copy op per part: the spans side by side
             concat_tokens([getattr(b, role).parts[name][:, s.src : s.src + s.length] for s, b in zip(spans, blobs)],
                           buf)
-        src = _encoded_positions(spans, blobs)
+        src = encoded_positions(spans, blobs)
         by_role = {"keys": {}, "values": {}}
         for (role, name), buf in zip(names, parts):
             by_role[role][name] = buf
-        mapped = _mapped_tokens(jobs, positions, premapped) if self._key_map is not None else None
+        mapped = mapped_tokens(jobs, positions, premapped) if self._key_map is not None else None
         token_ids = torch.tensor([t for span, blob in zip(spans, blobs)
                                   for t in blob.token_ids[span.src : span.src + span.length]], dtype=torch.long)
-        return _Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions, mapped, token_ids)
+        return Staged(codec, slot_buf, by_role["keys"], by_role["values"], src, positions, mapped, token_ids)
 
     def _premapped(self, jobs: list[LoadJob], blobs: list[KVBlob]) -> list[bool]:
         """Swap in the mapped tier's copy of each blob whose whole span the KV map applies to
@@ -292,7 +294,7 @@ class WorkerSide:
             self._copies[job.req_id] = copied
 
     def _save(self, jobs: list[SaveJob]):
-        _, slots = _token_map(jobs, self.block_size)
+        _, slots = token_map(jobs, self.block_size)
         dev = self.device
         self._page_layout()  # calibrated once, on the engine's stream, before the first copy
         with self._stream:
@@ -344,91 +346,6 @@ class WorkerSide:
             self._layout = PageLayout.calibrate(cache, self.num_blocks, self.block_size,
                                                 self.num_kv_heads, self.head_size, write)
         return self._layout
-
-
-class _Staged:
-    """One step's injection in the host staging buffer: coded parts [L, N, ...] per role."""
-
-    def __init__(self, codec: str, slots: torch.Tensor, key: dict, value: dict, src: torch.Tensor,
-                 dst: torch.Tensor, mapped: torch.Tensor | None = None, token_ids: torch.Tensor | None = None) -> None:
-        self.key_codec, self.value_codec = role_codecs(codec)
-        self.slots = slots  # [N] cache slots
-        self.key = key  # part name -> [L, N, ...]
-        self.value = value
-        self.src = src  # [N] position each key was cached at when encoded (-1: stored pre-RoPE)
-        self.dst = dst  # [N] serving position
-        self.mapped = mapped  # [N] bool: tokens that go through the reader's KV map; None when none does
-        self.token_ids = token_ids  # [N] the blobs' tokens (what a recompute embeds)
-
-
-def _encoded_positions(spans: list, blobs: list[KVBlob]) -> torch.Tensor:
-    """[N] the position each staged token's key was rotated to when encoded, spans one after
-    another (-1 for a blob stored pre-RoPE)."""
-    lengths = torch.tensor([s.length for s in spans])
-    firsts = torch.tensor([-1 if b.key_position is None else b.key_position + s.src for s, b in zip(spans, blobs)])
-    first = torch.repeat_interleave(firsts, lengths)  # [N]
-    offset = torch.arange(len(first)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    return torch.where(first >= 0, first + offset, -1)
-
-
-def _decode_layer(codec: str, parts: dict[str, torch.Tensor], layer: int, device: torch.device) -> torch.Tensor:
-    """Layer `layer` of staged parts [L, N, ...] -> decoded [N, H, D] on `device` (the staging
-    buffer itself where nothing is to decode and the device is the host)."""
-    on_device = {name: t[layer].to(device, non_blocking=True) for name, t in parts.items()}
-    return decode_parts(codec, on_device)
-
-
-def _stacked_shape(part: torch.Tensor, n: int) -> tuple[int, ...]:
-    """A part [L, T, ...] of one blob -> the staging shape [L, n, ...] for n tokens."""
-    return (part.shape[0], n, *part.shape[2:])
-
-
-def _common_dtype(blobs: list[KVBlob], role: str, name: str) -> torch.dtype:
-    """One staging dtype for a part across blobs (format-1 float32 keys beside cache-dtype ones)."""
-    dtype = getattr(blobs[0], role).parts[name].dtype
-    for blob in blobs[1:]:
-        other = getattr(blob, role).parts[name].dtype
-        if other != dtype:
-            dtype = torch.promote_types(dtype, other)
-    return dtype
-
-
-def _decoded(blob: KVBlob) -> KVBlob:
-    """The same blob with codec none (float32, the common ground of every codec)."""
-    if blob.codec == "none":
-        return blob
-    return KVBlob(blob.fact_id, blob.fingerprint, blob.token_ids, Coded("none", {"data": blob.keys.decode()}),
-                  Coded("none", {"data": blob.values.decode()}), blob.key_position)
-
-
-def _token_map(jobs: list[LoadJob] | list[SaveJob], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The jobs' spans, one after another -> prompt positions [N] and cache slots [N] (host int64)."""
-    positions, slots = [], []
-    for job in jobs:
-        p = torch.cat([torch.arange(s.start, s.end) for s in job.spans])
-        positions.append(p)
-        slots.append(slot_mapping(job.block_ids, p, block_size))
-    return torch.cat(positions), torch.cat(slots)
-
-
-def _mapped_tokens(jobs: list[LoadJob], positions: torch.Tensor, premapped: list[bool]) -> torch.Tensor | None:
-    """[N] bool over the jobs' tokens (as _token_map orders them): at or after their job's
-    map_from, and not from a span whose blob was mapped already (`premapped`, per span). None
-    when no token is."""
-    never = positions.max().item() + 1 if len(positions) else 0
-    bounds = torch.cat([torch.full((sum(s.length for s in job.spans),),
-                                   never if job.map_from is None else job.map_from) for job in jobs])
-    lengths = torch.tensor([s.length for job in jobs for s in job.spans])
-    mapped = (positions >= bounds) & ~torch.repeat_interleave(torch.tensor(premapped, dtype=torch.bool), lengths)
-    return mapped if bool(mapped.any()) else None
-
-
-def _blocks_of(jobs: list[LoadJob], block_size: int) -> set[int]:
-    blocks = set()
-    for job in jobs:
-        for s in job.spans:
-            blocks.update(job.block_ids[s.start // block_size : (s.end - 1) // block_size + 1])
-    return blocks
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:

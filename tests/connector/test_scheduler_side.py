@@ -53,11 +53,11 @@ def test_claims_head_and_facts_and_sends_blocks_and_ranges(tmp_path):
 def test_worker_expands_ranges_into_the_slots_vllm_uses(tmp_path):
     import torch
 
-    from kvmem.connector.worker_side import _token_map
+    from kvmem.connector.staged import token_map
     from kvmem.connector.plan import LoadJob
 
     job = LoadJob("r1", (7, 3), (Span("head", 0, 4), Span("a", 4, 6)))
-    positions, slots = _token_map([job], 8)
+    positions, slots = token_map([job], 8)
     assert positions.tolist() == list(range(10))
     assert slots.tolist() == [56, 57, 58, 59, 60, 61, 62, 63, 24, 25]
     assert slots.dtype == torch.long
