@@ -80,7 +80,7 @@ def family_mem(request, model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp(f"family-{request.param}")
     path = make_model_dir(root, request.param, Path(model_dir))
-    config = Config(home=root / "home", engine=EngineConfig(model=str(path)))
+    config = Config(home=root / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=1))
     with pytest.MonkeyPatch.context() as env:
         # Lets a test run a function in the worker process (collective_rpc); test engines only.
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -137,7 +137,8 @@ def assert_window_matters(mem, q, windowed: dict[int, float], tol: float) -> Non
     root = Path(mem.config.home).parent
     # Same seed, same shapes: the same random weights; only the window differs.
     wide_path = make_model_dir(root, "gemma3", Path(mem.model.path), sliding_window=4096)
-    wide = KVMem(Config(home=root / "home-wide", engine=EngineConfig(model=str(wide_path))), background=False)
+    wide = KVMem(Config(home=root / "home-wide", engine=EngineConfig(model=str(wide_path), cpu_kv_space_gib=1)),
+                 background=False)
     try:
         ids = list(wide.add(facts=FACTS, user_id="wide", encode="none").ids)
         full = wide.chat(q, user_id="wide", fact_ids=ids, mode="text", max_tokens=4).first_logprobs
@@ -157,7 +158,7 @@ def test_an_all_sliding_window_model_is_refused_with_the_reason(model_dir, tmp_p
     from kvmem.service import KVMem
 
     path = make_model_dir(tmp_path, "mistral", Path(model_dir), sliding_window=8)
-    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path)))
+    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=1))
     with pytest.raises(UnsupportedConfigError, match=r"sliding-window attention in every layer \(window 8\)"):
         KVMem(config, background=False)
     assert not (config.kv_dir / "refused.txt").exists()  # read once, not blamed on the next start

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmem.config import Config, default_home
+from kvmem.config import Config, EngineConfig, default_home
 from kvmem.connector.plan import ENCODE, KEY
 from kvmem.reader import adapters, lora
 from tests.reader.test_kvmap import random_map
@@ -32,7 +32,8 @@ def reader_mem(model_dir, tmp_path_factory):
     kv_map = random_map(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, spread=0.1)
     lora.save(wrapped, adapters.user_folder(home, info.fingerprint), rank=8, alpha=16.0, base_model=str(model_dir),
               meta={"fingerprint": info.fingerprint}, kv_map=kv_map)  # a LoRA and a KV map, both visible
-    mem = KVMem(Config(home=home, models_home=default_home() / "models"), background=False)
+    mem = KVMem(Config(home=home, models_home=default_home() / "models", engine=EngineConfig(cpu_kv_space_gib=1)),
+                background=False)
     yield mem
     mem.close()
 
@@ -134,7 +135,8 @@ def map_only_mem(model_dir, tmp_path_factory):
                         seed=1, spread=0.1)
     lora.save([], adapters.user_folder(home, info.fingerprint), rank=8, alpha=16.0, base_model=str(model_dir),
               meta={"fingerprint": info.fingerprint}, kv_map=kv_map)
-    mem = KVMem(Config(home=home, models_home=default_home() / "models"), background=False)
+    mem = KVMem(Config(home=home, models_home=default_home() / "models", engine=EngineConfig(cpu_kv_space_gib=1)),
+                background=False)
     yield mem
     mem.close()
 
@@ -206,7 +208,7 @@ def test_a_map_the_models_rotary_does_not_fit_is_refused_and_chats_are_plain_kv(
     import logging
     from pathlib import Path
 
-    from kvmem.config import EngineConfig, KVConfig
+    from kvmem.config import KVConfig
     from kvmem.model import resolve_model
     from kvmem.service import KVMem
     from tests.engine.test_families import make_model_dir
@@ -217,7 +219,7 @@ def test_a_map_the_models_rotary_does_not_fit_is_refused_and_chats_are_plain_kv(
     lora.save([], folder, rank=8, alpha=16.0, base_model=str(path), meta={"fingerprint": info.fingerprint},
               kv_map=random_map(info.num_layers, info.num_kv_heads, info.head_size, spread=0.1))
     assert adapters.find(str(folder), tmp_path / "home", info.fingerprint) == folder  # it passes every file check
-    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path)),
+    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=1),
                     kv=KVConfig(reader_adapter=str(folder)))
     with caplog.at_level(logging.WARNING, logger="kvmem.engine.llm"):
         mem = KVMem(config, background=False)

@@ -31,6 +31,10 @@ from kvmem.config import default_home
 from kvmem.engine.remote import rendezvous
 from kvmem.bench.servers import KvmemProcess
 
+# After every other server test: the topology stops the shared server to make room for its
+# replicas, and a server test after it would start that server again (~30 s on these hosts).
+pytestmark = pytest.mark.last
+
 START_S = 600  # cold CPU starts of vLLM: ~1 minute each here, more on a loaded CI machine
 KEYS = {"alpha": "sk-topology-alpha", "beta": "sk-topology-beta"}  # the keyed gateway's tenants
 ENV = {"KVMEM_READER_ADAPTER": "off",  # LoRA slows CPU decode steps; the adapter is tested elsewhere
