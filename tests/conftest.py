@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from kvmem.config import Config, EngineConfig, KVConfig, default_home
+from tests.helpers import TEST_KV_CACHE_GIB
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +88,8 @@ def mem(model_dir, tmp_path_factory):
 
     # Models are converted once into the shared cache; KV blobs go to a fresh folder. No reader
     # adapter: these tests check injection itself (k=1 exact); tests/reader/ starts one with it.
-    # 1 GiB of KV cache, not the default 2: the suite's engines and servers share 24 GiB.
     config = Config(home=tmp_path_factory.mktemp("kvmem-home"), models_home=default_home() / "models",
-                    kv=KVConfig(reader_adapter="off"), engine=EngineConfig(cpu_kv_space_gib=1))
+                    kv=KVConfig(reader_adapter="off"), engine=EngineConfig(cpu_kv_space_gib=TEST_KV_CACHE_GIB))
     logging.getLogger("kvmem").setLevel(logging.INFO)
     # No background encoder here: tests that need one open their own KVMem on this engine.
     client = KVMem(config, background=False)

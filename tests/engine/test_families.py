@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.test_injection import FACTS, encode_after_true_prefix, logprob_gap
+from tests.helpers import TEST_KV_CACHE_GIB
 
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 4096, "tie_word_embeddings": True,
@@ -80,7 +81,7 @@ def family_mem(request, model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp(f"family-{request.param}")
     path = make_model_dir(root, request.param, Path(model_dir))
-    config = Config(home=root / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=1))
+    config = Config(home=root / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=TEST_KV_CACHE_GIB))
     with pytest.MonkeyPatch.context() as env:
         # Lets a test run a function in the worker process (collective_rpc); test engines only.
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -137,8 +138,8 @@ def assert_window_matters(mem, q, windowed: dict[int, float], tol: float) -> Non
     root = Path(mem.config.home).parent
     # Same seed, same shapes: the same random weights; only the window differs.
     wide_path = make_model_dir(root, "gemma3", Path(mem.model.path), sliding_window=4096)
-    wide = KVMem(Config(home=root / "home-wide", engine=EngineConfig(model=str(wide_path), cpu_kv_space_gib=1)),
-                 background=False)
+    wide_engine = EngineConfig(model=str(wide_path), cpu_kv_space_gib=TEST_KV_CACHE_GIB)
+    wide = KVMem(Config(home=root / "home-wide", engine=wide_engine), background=False)
     try:
         ids = list(wide.add(facts=FACTS, user_id="wide", encode="none").ids)
         full = wide.chat(q, user_id="wide", fact_ids=ids, mode="text", max_tokens=4).first_logprobs
@@ -158,7 +159,7 @@ def test_an_all_sliding_window_model_is_refused_with_the_reason(model_dir, tmp_p
     from kvmem.service import KVMem
 
     path = make_model_dir(tmp_path, "mistral", Path(model_dir), sliding_window=8)
-    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=1))
+    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=TEST_KV_CACHE_GIB))
     with pytest.raises(UnsupportedConfigError, match=r"sliding-window attention in every layer \(window 8\)"):
         KVMem(config, background=False)
     assert not (config.kv_dir / "refused.txt").exists()  # read once, not blamed on the next start

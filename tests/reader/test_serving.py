@@ -8,6 +8,7 @@ import torch
 from kvmem.config import Config, EngineConfig, default_home
 from kvmem.connector.plan import ENCODE, KEY
 from kvmem.reader import adapters, lora
+from tests.helpers import TEST_KV_CACHE_GIB
 from tests.reader.test_kvmap import random_map
 
 FACTS = ["My sister adopted a puppy named Bruno.", "I live in Lisbon near the river.",
@@ -32,8 +33,8 @@ def reader_mem(model_dir, tmp_path_factory):
     kv_map = random_map(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads, spread=0.1)
     lora.save(wrapped, adapters.user_folder(home, info.fingerprint), rank=8, alpha=16.0, base_model=str(model_dir),
               meta={"fingerprint": info.fingerprint}, kv_map=kv_map)  # a LoRA and a KV map, both visible
-    mem = KVMem(Config(home=home, models_home=default_home() / "models", engine=EngineConfig(cpu_kv_space_gib=1)),
-                background=False)
+    engine = EngineConfig(cpu_kv_space_gib=TEST_KV_CACHE_GIB)
+    mem = KVMem(Config(home=home, models_home=default_home() / "models", engine=engine), background=False)
     yield mem
     mem.close()
 
@@ -135,8 +136,8 @@ def map_only_mem(model_dir, tmp_path_factory):
                         seed=1, spread=0.1)
     lora.save([], adapters.user_folder(home, info.fingerprint), rank=8, alpha=16.0, base_model=str(model_dir),
               meta={"fingerprint": info.fingerprint}, kv_map=kv_map)
-    mem = KVMem(Config(home=home, models_home=default_home() / "models", engine=EngineConfig(cpu_kv_space_gib=1)),
-                background=False)
+    engine = EngineConfig(cpu_kv_space_gib=TEST_KV_CACHE_GIB)
+    mem = KVMem(Config(home=home, models_home=default_home() / "models", engine=engine), background=False)
     yield mem
     mem.close()
 
@@ -219,7 +220,7 @@ def test_a_map_the_models_rotary_does_not_fit_is_refused_and_chats_are_plain_kv(
     lora.save([], folder, rank=8, alpha=16.0, base_model=str(path), meta={"fingerprint": info.fingerprint},
               kv_map=random_map(info.num_layers, info.num_kv_heads, info.head_size, spread=0.1))
     assert adapters.find(str(folder), tmp_path / "home", info.fingerprint) == folder  # it passes every file check
-    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=1),
+    config = Config(home=tmp_path / "home", engine=EngineConfig(model=str(path), cpu_kv_space_gib=TEST_KV_CACHE_GIB),
                     kv=KVConfig(reader_adapter=str(folder)))
     with caplog.at_level(logging.WARNING, logger="kvmem.engine.llm"):
         mem = KVMem(config, background=False)
